@@ -1,0 +1,1 @@
+//! lt-exec (work in progress).

@@ -1,0 +1,1 @@
+//! lt-model (work in progress).

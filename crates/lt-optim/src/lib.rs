@@ -1,0 +1,1 @@
+//! lt-optim (work in progress).

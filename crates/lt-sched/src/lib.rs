@@ -1,0 +1,1 @@
+//! lt-sched (work in progress).

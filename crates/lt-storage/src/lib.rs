@@ -1,0 +1,1 @@
+//! lt-storage (work in progress).
