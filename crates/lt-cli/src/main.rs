@@ -1,5 +1,51 @@
 //! `lt`: the LazyTrain-rs command line.
+//!
+//! Each subcommand lives in `cmd/<name>.rs` as a clap `Args` struct plus a `run` function; this file
+//! only dispatches. Errors print as one line (`error: <file>: <problem>`) and exit non-zero.
 
-fn main() -> anyhow::Result<()> {
-    anyhow::bail!("no commands yet")
+use clap::{Parser, Subcommand};
+
+mod cmd;
+
+/// LazyTrain-rs: fine-tune Qwen models larger than your GPU by streaming layers from host memory.
+#[derive(Debug, Parser)]
+#[command(name = "lt", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Compute logits of a model for token sequences (a parity-check entry point).
+    Logits(cmd::logits::LogitsArgs),
+    /// Plan activation placement for a model, batch and hardware, and predict step time.
+    Plan(cmd::plan::PlanArgs),
+    /// Micro-benchmarks of the subsystems.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Debug, Subcommand)]
+enum BenchCommand {
+    /// Host optimizer update throughput (AdamW fp32 or 8-bit).
+    Optimizer(cmd::bench_optimizer::BenchOptimizerArgs),
+    /// Activation spill engine throughput (io_uring, pread, mmap).
+    Spill(cmd::bench_spill::BenchSpillArgs),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match &cli.command {
+        Command::Logits(a) => cmd::logits::run(a),
+        Command::Plan(a) => cmd::plan::run(a),
+        Command::Bench(BenchCommand::Optimizer(a)) => cmd::bench_optimizer::run(a),
+        Command::Bench(BenchCommand::Spill(a)) => cmd::bench_spill::run(a),
+    };
+    if let Err(e) = result {
+        // One line: the error and its causes, outermost first.
+        let msg = e.chain().map(|c| c.to_string()).collect::<Vec<_>>().join(": ");
+        eprintln!("error: {msg}");
+        std::process::exit(1);
+    }
 }

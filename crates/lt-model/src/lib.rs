@@ -1,1 +1,29 @@
-//! lt-model (work in progress).
+//! Qwen decoder layers in Burn, stateless over streamed weights.
+//!
+//! `lt-model` sits above `lt-core` and `lt-storage` and below `lt-exec`. A layer's forward takes the
+//! weights the executor has just streamed in ([`weights::LayerWeights`]), so any host buffer can be
+//! bound to any layer without rebuilding a module tree. One set of functions serves every family:
+//! `qwen2`, `qwen3` and the hybrid `qwen3_5` differ only by config flags.
+//!
+//! ```no_run
+//! use lt_model::{CpuBackend, host::HostModel, weights::DeviceModel, model::forward_logits};
+//! let host = HostModel::load(std::path::Path::new("tools/fixtures/models/qwen3-tied-mqa")).unwrap();
+//! let device = Default::default();
+//! let model = DeviceModel::<CpuBackend>::from_host(&host, &device);
+//! let logits = forward_logits(&model, &[vec![1, 2, 3]]);
+//! assert_eq!(logits.dims(), [1, 3, host.config.vocab_size]);
+//! ```
+
+pub mod error;
+pub mod host;
+pub mod layer;
+pub mod model;
+pub mod ops;
+pub mod weights;
+
+pub use error::ModelError;
+
+/// The CPU backend (ndarray, f32).
+pub type CpuBackend = burn::backend::NdArray<f32>;
+/// The CPU backend with autodiff.
+pub type CpuAutodiff = burn::backend::Autodiff<CpuBackend>;

@@ -1,1 +1,17 @@
-//! lt-storage (work in progress).
+//! Storage for LazyTrain-rs: model files, activation spill and training checkpoints.
+//!
+//! `lt-storage` sits above `lt-core` and below `lt-exec`. It owns every byte that leaves RAM:
+//! memory-mapped safetensors checkpoints (read), the NVMe activation spill tier, and crash-safe
+//! training checkpoints. It has no Burn dependency.
+//!
+//! ```no_run
+//! use lt_storage::safetensors_io::SafetensorsModel;
+//! let model = SafetensorsModel::open(std::path::Path::new("my-model")).unwrap();
+//! let w: Vec<f32> = model.read_f32("model.norm.weight").unwrap();
+//! ```
+#![deny(unsafe_op_in_unsafe_fn)]
+
+pub mod error;
+pub mod safetensors_io;
+
+pub use error::StorageError;

@@ -1,0 +1,1 @@
+//! Criterion benchmarks live in the `[[bench]]` targets of this package; the library is empty.

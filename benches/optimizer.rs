@@ -1,0 +1,2 @@
+//! Placeholder until the optimizer benchmark lands.
+fn main() {}

@@ -1,0 +1,2 @@
+//! Placeholder until the planner benchmark lands.
+fn main() {}

@@ -1,0 +1,2 @@
+//! Placeholder until the spill benchmark lands.
+fn main() {}

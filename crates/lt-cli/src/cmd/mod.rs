@@ -1,0 +1,6 @@
+//! One module per subcommand.
+
+pub mod bench_optimizer;
+pub mod bench_spill;
+pub mod logits;
+pub mod plan;

@@ -1,0 +1,185 @@
+//! One decoder layer: stateless forward over streamed weights, and per-layer backward.
+
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{Bool, Tensor};
+use lt_core::ModelConfig;
+
+use crate::ops::{self, Rope};
+use crate::weights::{AttnWeights, LayerWeights, LinearAttnWeights, Mixer, ParamMapper, ParamVisitor};
+
+/// Per-batch context shared by all layers: rotary tables and the attention mask.
+#[derive(Debug, Clone)]
+pub struct SeqCtx<B: Backend> {
+    /// Rotary tables.
+    pub rope: Rope<B>,
+    /// `true` where attention is forbidden, `[B, 1, T, T]`.
+    pub mask: Tensor<B, 4, Bool>,
+}
+
+impl<B: Backend> SeqCtx<B> {
+    /// Context for a batch of `b` rows of `t` tokens with positions `0..t` and causal masking.
+    pub fn causal(cfg: &ModelConfig, b: usize, t: usize, device: &B::Device) -> Self {
+        let positions: Vec<Vec<usize>> = (0..b).map(|_| (0..t).collect()).collect();
+        Self {
+            rope: Rope::new(&positions, cfg.rope_theta, cfg.rotary_dim, device),
+            mask: ops::attention_mask(b, t, None, device),
+        }
+    }
+}
+
+/// Forward of one decoder layer.
+///
+/// # Shapes
+/// - x: `[B, T, hidden]` -> `[B, T, hidden]`
+pub fn layer_forward<B: Backend>(cfg: &ModelConfig, w: &LayerWeights<B>, x: Tensor<B, 3>, ctx: &SeqCtx<B>) -> Tensor<B, 3> {
+    let eps = cfg.rms_norm_eps;
+    let zc = cfg.zero_centered_norm;
+    let h = ops::rms_norm(x.clone(), &w.common.input_layernorm, eps, zc);
+    let mixed = match &w.mixer {
+        Mixer::Attention(a) => attention_forward(cfg, a, h, ctx),
+        Mixer::Linear(l) => delta_net_forward(cfg, l, h),
+    };
+    let x = x + mixed;
+    let h = ops::rms_norm(x.clone(), &w.common.post_attention_layernorm, eps, zc);
+    let act = burn::tensor::activation::silu(ops::linear(h.clone(), &w.common.gate_proj, None))
+        * ops::linear(h, &w.common.up_proj, None);
+    x + ops::linear(act, &w.common.down_proj, None)
+}
+
+fn attention_forward<B: Backend>(cfg: &ModelConfig, a: &AttnWeights<B>, h: Tensor<B, 3>, ctx: &SeqCtx<B>) -> Tensor<B, 3> {
+    let [b, t, _] = h.dims();
+    let (nh, nkv, d) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+    let q_all = ops::linear(h.clone(), &a.q_proj, a.q_bias.as_ref());
+    // Gated attention (Qwen3.5): per head, the first head_dim outputs are the query, the next
+    // head_dim the output gate.
+    let (q, gate) = if cfg.attn_output_gate {
+        let qg = q_all.reshape([b, t, nh, 2 * d]);
+        let q = qg.clone().narrow(3, 0, d);
+        let g = qg.narrow(3, d, d).reshape([b, t, nh * d]);
+        (q, Some(g))
+    } else {
+        (q_all.reshape([b, t, nh, d]), None)
+    };
+    let k = ops::linear(h.clone(), &a.k_proj, a.k_bias.as_ref()).reshape([b, t, nkv, d]);
+    let v = ops::linear(h, &a.v_proj, a.v_bias.as_ref()).reshape([b, t, nkv, d]);
+    let zc = cfg.zero_centered_norm;
+    let q = match &a.q_norm {
+        Some(w) => ops::rms_norm(q, w, cfg.rms_norm_eps, zc),
+        None => q,
+    };
+    let k = match &a.k_norm {
+        Some(w) => ops::rms_norm(k, w, cfg.rms_norm_eps, zc),
+        None => k,
+    };
+    let q = ctx.rope.apply(q.swap_dims(1, 2));
+    let k = ops::repeat_kv(ctx.rope.apply(k.swap_dims(1, 2)), nh / nkv);
+    let v = ops::repeat_kv(v.swap_dims(1, 2), nh / nkv);
+    let o = ops::sdpa(q, k, v, &ctx.mask, (d as f64).powf(-0.5));
+    let mut o = o.swap_dims(1, 2).reshape([b, t, nh * d]);
+    if let Some(g) = gate {
+        o = o * ops::gate(g);
+    }
+    ops::linear(o, &a.o_proj, a.o_bias.as_ref())
+}
+
+fn delta_net_forward<B: Backend>(cfg: &ModelConfig, l: &LinearAttnWeights<B>, h: Tensor<B, 3>) -> Tensor<B, 3> {
+    let [b, t, _] = h.dims();
+    // Validated: a linear layer implies `cfg.linear` is set.
+    let Some(lc) = cfg.linear else { return h.zeros_like() };
+    let (hk, hv, dk, dv) = (lc.num_key_heads, lc.num_value_heads, lc.key_head_dim, lc.value_head_dim);
+    let qkv = ops::causal_conv_silu(ops::linear(h.clone(), &l.in_proj_qkv, None), &l.conv1d);
+    let z = ops::linear(h.clone(), &l.in_proj_z, None).reshape([b, t, hv, dv]);
+    let beta = ops::gate(ops::linear(h.clone(), &l.in_proj_b, None)); // [B,T,Hv]
+    let a = ops::linear(h, &l.in_proj_a, None);
+    let g = ops::softplus(a + l.dt_bias.clone().reshape([1, 1, hv])) * l.a_log.clone().exp().neg().reshape([1, 1, hv]);
+    let kd = lc.key_dim();
+    let q = qkv.clone().narrow(2, 0, kd).reshape([b, t, hk, dk]);
+    let k = qkv.clone().narrow(2, kd, kd).reshape([b, t, hk, dk]);
+    let v = qkv.narrow(2, 2 * kd, lc.value_dim()).reshape([b, t, hv, dv]);
+    // Each key head serves hv/hk consecutive value heads (repeat_interleave on the head dim).
+    let rep = hv / hk;
+    let expand = |x: Tensor<B, 4>| -> Tensor<B, 4> {
+        if rep == 1 { x } else { x.unsqueeze_dim::<5>(3).repeat_dim(3, rep).reshape([b, t, hv, dk]) }
+    };
+    let q = ops::l2norm(expand(q), 1e-6) * (1.0 / (dk as f64).sqrt());
+    let k = ops::l2norm(expand(k), 1e-6);
+    let o = ops::gated_delta_rule(
+        q.swap_dims(1, 2),
+        k.swap_dims(1, 2),
+        v.swap_dims(1, 2),
+        g.swap_dims(1, 2),
+        beta.swap_dims(1, 2),
+    ); // [B,Hv,T,dv]
+    let o = ops::gated_rms_norm(o.swap_dims(1, 2), z, &l.norm, cfg.rms_norm_eps);
+    ops::linear(o.reshape([b, t, hv * dv]), &l.out_proj, None)
+}
+
+/// Gradients of one layer's backward.
+#[derive(Debug, Clone)]
+pub struct LayerGrads<B: Backend> {
+    /// Gradient with respect to the layer input, `[B, T, hidden]`.
+    pub input: Tensor<B, 3>,
+    /// Weight gradients, flattened, named relative to the layer, in [`ModelConfig::layer_params`] order.
+    pub params: Vec<(String, Tensor<B, 1>)>,
+}
+
+/// Lifts inner-backend tensors into autodiff leaves that require gradients.
+pub(crate) struct RequireGrad;
+
+impl<B: AutodiffBackend> ParamMapper<B::InnerBackend, B> for RequireGrad {
+    fn map<const D: usize>(&mut self, _name: &'static str, t: Tensor<B::InnerBackend, D>) -> Tensor<B, D> {
+        Tensor::from_inner(t).require_grad()
+    }
+}
+
+/// Collects each tensor's gradient, flattened (zeros where a tensor got none).
+pub(crate) struct GradCollector<'a, B: AutodiffBackend> {
+    pub grads: &'a B::Gradients,
+    pub out: Vec<(String, Tensor<B::InnerBackend, 1>)>,
+}
+
+impl<B: AutodiffBackend> ParamVisitor<B> for GradCollector<'_, B> {
+    fn visit<const D: usize>(&mut self, name: &'static str, t: &Tensor<B, D>) {
+        let n = t.shape().num_elements();
+        let g = match t.grad(self.grads) {
+            Some(g) => g.reshape([n]),
+            None => Tensor::zeros([n], &t.device()),
+        };
+        self.out.push((name.to_string(), g));
+    }
+}
+
+/// Per-layer backward: given the layer input `x` and the upstream gradient `grad_out`
+/// (d loss / d output), return d loss / d input and every weight gradient.
+///
+/// The layer is re-run under autodiff with leaves for `x` and the weights, and
+/// `(y * grad_out).sum()` is back-propagated: its gradient with respect to `y` is exactly
+/// `grad_out`, so chaining this call from the last layer down equals one full-graph backward.
+///
+/// # Shapes
+/// - x, grad_out: `[B, T, hidden]`
+pub fn layer_backward<B: AutodiffBackend>(
+    cfg: &ModelConfig,
+    layer: usize,
+    w: &LayerWeights<B::InnerBackend>,
+    x: Tensor<B::InnerBackend, 3>,
+    grad_out: Tensor<B::InnerBackend, 3>,
+    ctx: &SeqCtx<B>,
+) -> LayerGrads<B::InnerBackend> {
+    let wg: LayerWeights<B> = w.clone().map(&mut RequireGrad);
+    let xg: Tensor<B, 3> = Tensor::from_inner(x).require_grad();
+    let y = layer_forward(cfg, &wg, xg.clone(), ctx);
+    let grads = (y * Tensor::from_inner(grad_out)).sum().backward();
+    let input = xg.grad(&grads).unwrap_or_else(|| xg.clone().inner().zeros_like());
+    let mut c = GradCollector::<B> { grads: &grads, out: Vec::new() };
+    wg.visit(&mut c);
+    // Return in the canonical parameter order so host buffers line up without a lookup.
+    let order = cfg.layer_params(layer);
+    let mut params = Vec::with_capacity(order.len());
+    for spec in order {
+        if let Some(pos) = c.out.iter().position(|(n, _)| *n == spec.name) {
+            params.push(c.out.swap_remove(pos));
+        }
+    }
+    LayerGrads { input, params }
+}

@@ -1,0 +1,177 @@
+//! Embedding, head, loss, and whole-model reference paths.
+
+use burn::tensor::activation::log_softmax;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{Int, Tensor, TensorData};
+
+use crate::error::ModelError;
+use crate::layer::{GradCollector, RequireGrad, SeqCtx, layer_forward};
+use crate::ops;
+use crate::weights::{DeviceModel, HeadWeights};
+
+/// HF's ignore index in `labels`.
+pub const IGNORE_INDEX: i64 = -100;
+
+/// A batch of equal-length token sequences with optional labels aligned to them (HF convention:
+/// the model shifts by one; `-100` is ignored).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Batch {
+    /// Token ids, `[B][T]`.
+    pub input_ids: Vec<Vec<u32>>,
+    /// Labels, `[B][T]`, aligned with `input_ids`.
+    pub labels: Vec<Vec<i64>>,
+}
+
+impl Batch {
+    /// Check shape and vocabulary range; `source_name` names the origin in errors.
+    pub fn validate(&self, vocab: usize, source_name: &str) -> Result<(usize, usize), ModelError> {
+        let bad = |reason: String| ModelError::BadBatch { source_name: source_name.to_string(), reason };
+        let b = self.input_ids.len();
+        if b == 0 {
+            return Err(bad("no sequences".into()));
+        }
+        let t = self.input_ids[0].len();
+        if t == 0 {
+            return Err(bad("sequence 0 is empty".into()));
+        }
+        for (row, ids) in self.input_ids.iter().enumerate() {
+            if ids.len() != t {
+                return Err(bad(format!("sequence {row} has {} tokens, sequence 0 has {t} (equal lengths required)", ids.len())));
+            }
+            if let Some((col, &id)) = ids.iter().enumerate().find(|(_, id)| **id as usize >= vocab) {
+                return Err(ModelError::TokenOutOfRange { source_name: source_name.into(), row, col, id: id.into(), vocab });
+            }
+        }
+        if self.labels.len() != b || self.labels.iter().any(|l| l.len() != t) {
+            return Err(bad("labels are not aligned with input_ids".into()));
+        }
+        for (row, l) in self.labels.iter().enumerate() {
+            if let Some((col, &id)) = l.iter().enumerate().find(|(_, v)| **v != IGNORE_INDEX && (**v < 0 || **v as usize >= vocab)) {
+                return Err(ModelError::TokenOutOfRange { source_name: source_name.into(), row, col, id, vocab });
+            }
+        }
+        Ok((b, t))
+    }
+
+    /// Labels equal to the inputs (plain language modelling).
+    pub fn from_ids(input_ids: Vec<Vec<u32>>) -> Self {
+        let labels = input_ids.iter().map(|r| r.iter().map(|&v| i64::from(v)).collect()).collect();
+        Self { input_ids, labels }
+    }
+
+    /// Number of tokens that contribute to the loss (shifted, non-ignored).
+    pub fn loss_tokens(&self) -> usize {
+        self.labels.iter().map(|l| l.iter().skip(1).filter(|&&v| v != IGNORE_INDEX).count()).sum()
+    }
+}
+
+/// Embedding lookup.
+///
+/// # Shapes
+/// - ids: `[B][T]` -> `[B, T, hidden]`
+pub fn embed<B: Backend>(head: &HeadWeights<B>, ids: &[Vec<u32>]) -> Tensor<B, 3> {
+    let b = ids.len();
+    let t = ids.first().map_or(0, Vec::len);
+    let flat: Vec<i64> = ids.iter().flatten().map(|&v| i64::from(v)).collect();
+    let device = head.embed_tokens.device();
+    let idx = Tensor::<B, 1, Int>::from_data(TensorData::new(flat, [b * t]), &device);
+    let h = head.embed_tokens.dims()[1];
+    head.embed_tokens.clone().select(0, idx).reshape([b, t, h])
+}
+
+/// Final norm and output projection.
+///
+/// # Shapes
+/// - x: `[B, T, hidden]` -> `[B, T, vocab]`
+pub fn head_logits<B: Backend>(cfg: &lt_core::ModelConfig, head: &HeadWeights<B>, x: Tensor<B, 3>) -> Tensor<B, 3> {
+    let h = ops::rms_norm(x, &head.norm, cfg.rms_norm_eps, cfg.zero_centered_norm);
+    ops::linear(h, head.output_weight(), None)
+}
+
+/// Per-position loss weights for HF's causal-LM loss: position `t` predicts `labels[t+1]`, each
+/// valid target weighs `1/N` (N = valid targets in the batch), the last position weighs 0.
+/// Returns the targets (ignored ones set to 0) and weights, both `[B][T]` flattened.
+pub fn shifted_targets(labels: &[Vec<i64>]) -> (Vec<i64>, Vec<f32>) {
+    let n: usize = labels.iter().map(|l| l.iter().skip(1).filter(|&&v| v != IGNORE_INDEX).count()).sum();
+    let mut targets = Vec::new();
+    let mut weights = Vec::new();
+    for row in labels {
+        for t in 0..row.len() {
+            match row.get(t + 1) {
+                Some(&v) if v != IGNORE_INDEX => {
+                    targets.push(v);
+                    weights.push(1.0 / n as f32);
+                }
+                _ => {
+                    targets.push(0);
+                    weights.push(0.0);
+                }
+            }
+        }
+    }
+    (targets, weights)
+}
+
+/// Mean cross-entropy over non-ignored shifted targets, exactly as transformers' `ForCausalLMLoss`.
+/// A batch with no valid target has loss 0.
+///
+/// # Shapes
+/// - logits: `[B, T, V]` -> `[1]`
+pub fn causal_lm_loss<B: Backend>(logits: Tensor<B, 3>, labels: &[Vec<i64>]) -> Tensor<B, 1> {
+    let [b, t, _] = logits.dims();
+    let device = logits.device();
+    let (targets, weights) = shifted_targets(labels);
+    let idx = Tensor::<B, 3, Int>::from_data(TensorData::new(targets, [b, t, 1]), &device);
+    let w = Tensor::<B, 3>::from_data(TensorData::new(weights, [b, t, 1]), &device);
+    let logp = log_softmax(logits, 2).gather(2, idx);
+    (logp * w).sum().neg()
+}
+
+/// Whole-model logits (the parity entry point; no streaming).
+///
+/// # Shapes
+/// - ids: `[B][T]` -> `[B, T, vocab]`
+pub fn forward_logits<B: Backend>(model: &DeviceModel<B>, ids: &[Vec<u32>]) -> Tensor<B, 3> {
+    let cfg = &model.config;
+    let (b, t) = (ids.len(), ids.first().map_or(0, Vec::len));
+    let ctx = SeqCtx::causal(cfg, b, t, &model.head.embed_tokens.device());
+    let mut x = embed(&model.head, ids);
+    for w in &model.layers {
+        x = layer_forward(cfg, w, x, &ctx);
+    }
+    head_logits(cfg, &model.head, x)
+}
+
+/// Loss and gradients of every parameter from one full-graph backward (the reference the streamed
+/// executor must reproduce). Gradient names are checkpoint-relative (`layers.3.mlp.up_proj.weight`,
+/// `embed_tokens.weight`, ...).
+pub fn full_graph_grads<B: AutodiffBackend>(
+    model: &DeviceModel<B::InnerBackend>,
+    batch: &Batch,
+) -> (f32, Vec<(String, Vec<f32>)>) {
+    let cfg = &model.config;
+    let m: DeviceModel<B> = model.clone().map(&mut RequireGrad);
+    let (b, t) = (batch.input_ids.len(), batch.input_ids.first().map_or(0, Vec::len));
+    let ctx = SeqCtx::<B>::causal(cfg, b, t, &m.head.embed_tokens.device());
+    let mut x = embed(&m.head, &batch.input_ids);
+    for w in &m.layers {
+        x = layer_forward(cfg, w, x, &ctx);
+    }
+    let loss = causal_lm_loss(head_logits(cfg, &m.head, x), &batch.labels);
+    let loss_value = to_vec(loss.clone().inner()).first().copied().unwrap_or(f32::NAN);
+    let grads = loss.backward();
+    let mut out = Vec::new();
+    let mut c = GradCollector::<B> { grads: &grads, out: Vec::new() };
+    m.head.visit(&mut c);
+    out.extend(c.out.drain(..).map(|(n, g)| (n, to_vec(g))));
+    for (i, w) in m.layers.iter().enumerate() {
+        w.visit(&mut c);
+        out.extend(c.out.drain(..).map(|(n, g)| (format!("layers.{i}.{n}"), to_vec(g))));
+    }
+    (loss_value, out)
+}
+
+/// Copy a tensor to a host `Vec<f32>`.
+pub fn to_vec<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
+    t.into_data().convert::<f32>().to_vec::<f32>().unwrap_or_default()
+}
