@@ -6,6 +6,8 @@
 use clap::{Parser, Subcommand};
 
 mod cmd;
+mod fsutil;
+mod progress;
 
 /// LazyTrain-rs: fine-tune Qwen models larger than your GPU by streaming layers from host memory.
 #[derive(Debug, Parser)]
@@ -43,8 +45,19 @@ fn main() {
         Command::Bench(BenchCommand::Spill(a)) => cmd::bench_spill::run(a),
     };
     if let Err(e) = result {
-        // One line: the error and its causes, outermost first.
-        let msg = e.chain().map(|c| c.to_string()).collect::<Vec<_>>().join(": ");
+        // One line: the error and its causes, outermost first. Library errors often print their
+        // source already, so a cause whose text is already present is not repeated.
+        let mut msg = String::new();
+        for cause in e.chain() {
+            let text = cause.to_string();
+            if !msg.contains(&text) {
+                if !msg.is_empty() {
+                    msg.push_str(": ");
+                }
+                msg.push_str(&text);
+            }
+        }
+        let msg = msg.replace('\n', " ");
         eprintln!("error: {msg}");
         std::process::exit(1);
     }

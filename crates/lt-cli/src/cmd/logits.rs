@@ -1,10 +1,83 @@
-//! `lt logits` (not implemented yet).
+//! `lt logits`: whole-model logits for token sequences, the black-box parity entry point.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use lt_model::host::HostModel;
+use lt_model::model::{Batch, forward_logits, to_vec};
+use lt_model::weights::DeviceModel;
 
 /// Arguments of `lt logits`.
 #[derive(Debug, clap::Args)]
-pub struct LogitsArgs {}
+#[command(after_help = "Example:\n  lt logits --model tools/fixtures/models/qwen3-tied-mqa \\\n    --tokens tools/fixtures/models/qwen3-tied-mqa/tokens.jsonl --out /tmp/logits.safetensors")]
+pub struct LogitsArgs {
+    /// Model folder: config.json plus model.safetensors (or sharded with model.safetensors.index.json).
+    #[arg(long, value_name = "DIR")]
+    pub model: PathBuf,
+    /// JSONL file, one {"input_ids": [...]} per line; all lines must have the same length.
+    #[arg(long, value_name = "FILE.jsonl")]
+    pub tokens: PathBuf,
+    /// Output safetensors file holding one f32 tensor `logits` of shape [lines, length, vocab].
+    /// Written atomically: on any error nothing is created or overwritten.
+    #[arg(long, value_name = "FILE.safetensors")]
+    pub out: PathBuf,
+    /// Sequences per forward pass (bounds memory; does not change the result).
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..))]
+    pub rows_per_pass: u64,
+}
+
+/// Read `{"input_ids": [...]}` lines; errors name the file, the line and the field.
+pub fn read_token_lines(path: &Path) -> Result<Vec<Vec<u32>>> {
+    let file = std::fs::File::open(path).with_context(|| format!("{}: cannot open", path.display()))?;
+    let mut rows = Vec::new();
+    for (i, line) in BufReader::new(file).lines().enumerate() {
+        let n = i + 1;
+        let line = line.with_context(|| format!("{}:{n}: cannot read", path.display()))?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let v: serde_json::Value =
+            serde_json::from_str(&line).with_context(|| format!("{}:{n}: invalid JSON", path.display()))?;
+        let Some(arr) = v.get("input_ids").and_then(|x| x.as_array()) else {
+            bail!("{}:{n}: missing array field `input_ids`", path.display());
+        };
+        let mut ids = Vec::with_capacity(arr.len());
+        for (j, x) in arr.iter().enumerate() {
+            match x.as_u64().and_then(|u| u32::try_from(u).ok()) {
+                Some(id) => ids.push(id),
+                None => bail!("{}:{n}: `input_ids[{j}]` = {x} is not a non-negative 32-bit integer", path.display()),
+            }
+        }
+        rows.push(ids);
+    }
+    if rows.is_empty() {
+        bail!("{}: no sequences", path.display());
+    }
+    Ok(rows)
+}
 
 /// Run the command.
-pub fn run(_args: &LogitsArgs) -> anyhow::Result<()> {
-    anyhow::bail!("`lt logits` is not implemented yet")
+pub fn run(args: &LogitsArgs) -> Result<()> {
+    let host = HostModel::load(&args.model)?;
+    let rows = read_token_lines(&args.tokens)?;
+    let batch = Batch::from_ids(rows);
+    let (b, t) = batch.validate(host.config.vocab_size, &args.tokens.display().to_string())?;
+    let device = Default::default();
+    let model = DeviceModel::<lt_model::CpuBackend>::from_host(&host, &device);
+    let vocab = host.config.vocab_size;
+    let mut out = Vec::with_capacity(b * t * vocab);
+    let pb = crate::progress::bar(b as u64, "logits");
+    for chunk in batch.input_ids.chunks(args.rows_per_pass as usize) {
+        out.extend(to_vec(forward_logits(&model, chunk)));
+        pb.inc(chunk.len() as u64);
+    }
+    pb.finish_and_clear();
+    let bytes: Vec<u8> = out.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![b, t, vocab], &bytes)
+        .context("building the logits tensor")?;
+    let data = safetensors::serialize([("logits", view)], None).context("serialising logits")?;
+    crate::fsutil::write_atomic(&args.out, &data)?;
+    eprintln!("wrote logits [{b}, {t}, {vocab}] to {}", args.out.display());
+    Ok(())
 }
