@@ -1,1 +1,28 @@
-//! lt-exec (work in progress).
+//! The streamed layer executor of LazyTrain-rs.
+//!
+//! `lt-exec` composes the model (`lt-model`), storage (`lt-storage`), planner (`lt-sched`) and host
+//! optimizer (`lt-optim`). It runs one training step exactly as an [`plan::ExecPlan`] says: each
+//! layer's weights are streamed to the device, boundary activations are kept on the device, in host
+//! memory or on NVMe (or dropped and recomputed), gradients stream back to fp32 host buffers, and every
+//! operation is traced per stream so exposure is measured, not estimated.
+//!
+//! ```no_run
+//! use lt_exec::{executor::Executor, grads::HostGrads, plan::ExecPlan};
+//! use lt_model::{CpuAutodiff, host::HostModel, model::Batch};
+//! let host = HostModel::load(std::path::Path::new("tools/fixtures/models/qwen3-tied-mqa")).unwrap();
+//! let plan = ExecPlan::every(host.config.num_layers(), 4, lt_exec::plan::Placement::Device);
+//! let mut ex = Executor::<CpuAutodiff>::new(plan, lt_core::ByteSize::gib(1), Default::default(), None);
+//! let batch = Batch::from_ids(vec![vec![1, 2, 3, 4]]);
+//! let mut grads = HostGrads::zeros_like(&host);
+//! let r = ex.micro_batch(&host, &batch, batch.loss_tokens(), true, &mut grads).unwrap();
+//! println!("loss {}", r.loss);
+//! ```
+
+pub mod budget;
+pub mod error;
+pub mod executor;
+pub mod grads;
+pub mod plan;
+pub mod trace;
+
+pub use error::ExecError;

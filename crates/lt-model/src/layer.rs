@@ -27,6 +27,20 @@ impl<B: Backend> SeqCtx<B> {
     }
 }
 
+impl<B: AutodiffBackend> SeqCtx<B> {
+    /// Lift an inner-backend context into the autodiff backend (constants: no gradient).
+    pub fn lift(inner: &SeqCtx<B::InnerBackend>) -> Self {
+        Self {
+            rope: Rope {
+                cos: Tensor::from_inner(inner.rope.cos.clone()),
+                sin: Tensor::from_inner(inner.rope.sin.clone()),
+                rotary_dim: inner.rope.rotary_dim,
+            },
+            mask: Tensor::from_inner(inner.mask.clone()),
+        }
+    }
+}
+
 /// Forward of one decoder layer.
 ///
 /// # Shapes
