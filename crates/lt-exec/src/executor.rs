@@ -19,7 +19,6 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Int, Tensor, TensorData};
 use crossbeam::channel;
 use lt_core::{ByteSize, ModelConfig};
-use lt_model::host::HostModel;
 use lt_model::layer::{SeqCtx, layer_backward, layer_forward};
 use lt_model::model::{Batch, IGNORE_INDEX, embed, to_vec};
 use lt_model::ops;
@@ -28,6 +27,7 @@ use lt_model::weights::{HeadWeights, LayerWeights};
 use crate::budget::DeviceBudget;
 use crate::error::ExecError;
 use crate::grads::{HostGrads, accumulate_sq};
+use crate::state::{HEAD, SharedModel, layer_slot};
 use crate::plan::{ExecPlan, Placement};
 use crate::trace::{Stream, Trace};
 
@@ -165,21 +165,19 @@ impl<B: AutodiffBackend> Executor<B> {
 
     /// Peak device bytes one micro-batch of shape `[b, t]` needs under this plan (the budget check
     /// run before training; the same accounting the step enforces).
-    pub fn required_device_bytes(&self, host: &HostModel, b: usize, t: usize) -> u64 {
+    pub fn required_device_bytes(&self, cfg: &ModelConfig, b: usize, t: usize) -> u64 {
         let mut budget = DeviceBudget::new(ByteSize(u64::MAX));
         // Errors cannot happen with an unlimited budget.
-        let _ = self.account(&mut budget, &host.config, host, b, t);
+        let _ = self.account(&mut budget, cfg, b, t);
         budget.peak()
     }
 
     /// Walk the plan's allocation sequence on `budget` (no compute). Mirrors `micro_batch`.
-    fn account(&self, budget: &mut DeviceBudget, cfg: &ModelConfig, host: &HostModel, b: usize, t: usize) -> Result<(), ExecError> {
+    fn account(&self, budget: &mut DeviceBudget, cfg: &ModelConfig, b: usize, t: usize) -> Result<(), ExecError> {
         let act = (b * t * cfg.hidden_size * 4) as u64;
         let we = weight_elem_bytes::<Inner<B>>();
-        let head = (host.embed_tokens.data.len() + host.norm.data.len() + host.lm_head.as_ref().map_or(0, |t| t.data.len()))
-            as u64
-            * we;
-        let layer_max = host.layers.iter().map(|l| l.numel() as u64).max().unwrap_or(0) * we;
+        let head = cfg.outer_params().iter().map(|p| p.numel() as u64).sum::<u64>() * we;
+        let layer_max = (0..cfg.num_layers()).map(|i| cfg.layer_numel(i) as u64).max().unwrap_or(0) * we;
         budget.alloc(head, || "embedding, final norm and head weights".into())?;
         budget.alloc(2 * layer_max, || "two layer weight buffers (double buffering)".into())?;
         budget.alloc(layer_working_bytes(cfg, b, t), || "one layer's working set".into())?;
@@ -205,27 +203,31 @@ impl<B: AutodiffBackend> Executor<B> {
 
     /// Forward and backward of one micro-batch, adding its gradients into `grads`.
     ///
+    /// Every weight is uploaded only once its version in `model` reaches `want_version` (the
+    /// optimizer may still be updating later layers of the previous step).
+    ///
     /// `denom` is the number of loss tokens in the whole step, so that accumulating micro-batches
     /// gives exactly the full-batch mean loss and gradient. When `last` is set, the returned
     /// [`MicroBatchResult::grad_sq_sum`] holds the sum of squares of the accumulated gradients,
     /// computed in the same pass that adds this micro-batch's contribution.
     pub fn micro_batch(
         &mut self,
-        host: &HostModel,
+        model: &SharedModel,
         batch: &Batch,
         denom: usize,
         last: bool,
-        grads: &mut HostGrads,
+        grads: &HostGrads,
+        want_version: u64,
     ) -> Result<MicroBatchResult, ExecError> {
-        let cfg = &host.config;
+        let cfg = &model.config;
         let nl = cfg.num_layers();
         self.plan.validate(nl)?;
         let (b, t) = batch.validate(cfg.vocab_size, "batch")?;
         let mut budget = DeviceBudget::new(self.device_memory);
         // The whole allocation sequence is checked up front, so a plan that cannot fit fails before
         // any compute, with the peak it would need.
-        if let Err(ExecError::OutOfDeviceMemory { budget: bud, what, .. }) = self.account(&mut budget, cfg, host, b, t) {
-            let needed = self.required_device_bytes(host, b, t);
+        if let Err(ExecError::OutOfDeviceMemory { budget: bud, what, .. }) = self.account(&mut budget, cfg, b, t) {
+            let needed = self.required_device_bytes(cfg, b, t);
             return Err(ExecError::OutOfDeviceMemory {
                 budget: bud,
                 what,
@@ -269,9 +271,15 @@ impl<B: AutodiffBackend> Executor<B> {
                 scope.spawn(move || {
                     for item in sched {
                         let msg = match item {
-                            Up::Layer(i) => Ok(trace.span(Stream::H2d, step, format!("upload L{i}"), || {
-                                Uploaded::Layer(i, LayerWeights::from_host(&host.layers[i], cfg.layer_types[i], device))
-                            })),
+                            Up::Layer(i) => {
+                                trace.wait_as(Stream::H2d, Stream::Optimizer, step, format!("wait update L{i}"), || {
+                                    model.wait_version(layer_slot(i), want_version)
+                                });
+                                Ok(trace.span(Stream::H2d, step, format!("upload L{i}"), || {
+                                    let l = model.layers[i].read().unwrap_or_else(|e| e.into_inner());
+                                    Uploaded::Layer(i, LayerWeights::from_host(&l, cfg.layer_types[i], device))
+                                }))
+                            }
                             Up::Act(s) => fetch_act::<Inner<B>>(acts, spill.as_deref(), trace, step, s, [b, t, hidden], device)
                                 .map(|x| Uploaded::Act(s, x)),
                         };
@@ -284,7 +292,7 @@ impl<B: AutodiffBackend> Executor<B> {
             };
             // --- d2h stream ---
             let down = {
-                let (trace, acts, spill, grads, plan) = (&trace, &acts, &spill, &mut *grads, &plan);
+                let (trace, acts, spill, plan) = (&trace, &acts, &spill, &plan);
                 scope.spawn(move || -> Result<Option<f64>, ExecError> {
                     let mut sq = 0.0f64;
                     for msg in down_rx {
@@ -307,25 +315,27 @@ impl<B: AutodiffBackend> Executor<B> {
                                 }
                             }
                             Down::Layer(j, params) => trace.span(Stream::D2h, step, format!("grads L{j}"), || {
-                                for (k, (_, g)) in params.into_iter().enumerate() {
-                                    let g = to_vec(g);
-                                    let s = accumulate_sq(&mut grads.layers[j][k], &g);
-                                    sq += s;
+                                let host: Vec<Vec<f32>> = params.into_iter().map(|(_, g)| to_vec(g)).collect();
+                                let mut dst = grads.layer(j);
+                                for (k, g) in host.iter().enumerate() {
+                                    sq += accumulate_sq(&mut dst[k], g);
                                 }
                             }),
                             Down::Head { norm, out } => trace.span(Stream::D2h, step, "grads head", || {
-                                sq += accumulate_sq(&mut grads.norm, &to_vec(norm));
-                                let out = to_vec(out);
-                                match &mut grads.lm_head {
+                                let (norm, out) = (to_vec(norm), to_vec(out));
+                                let mut hg = grads.head();
+                                sq += accumulate_sq(&mut hg.norm, &norm);
+                                match &mut hg.lm_head {
                                     Some(h) => sq += accumulate_sq(h, &out),
                                     None => {
-                                        accumulate_sq(&mut grads.embed_tokens, &out);
+                                        accumulate_sq(&mut hg.embed_tokens, &out);
                                     }
                                 }
                             }),
                             Down::Embed(g0) => trace.span(Stream::D2h, step, "grads embed", || {
                                 let g0 = to_vec(g0);
-                                let e = &mut grads.embed_tokens;
+                                let mut hg = grads.head();
+                                let e = &mut hg.embed_tokens;
                                 for (r, row) in ids.iter().enumerate() {
                                     for (c, &id) in row.iter().enumerate() {
                                         let src = &g0[(r * t + c) * hidden..(r * t + c + 1) * hidden];
@@ -357,7 +367,11 @@ impl<B: AutodiffBackend> Executor<B> {
                 };
                 let ctx = SeqCtx::<Inner<B>>::causal(cfg, b, t, &device);
                 let ctx_ad = SeqCtx::<B>::lift(&ctx);
-                let head = trace.span(Stream::H2d, step, "upload head", || HeadWeights::<Inner<B>>::from_host(host, &device));
+                trace.wait(Stream::Optimizer, step, "wait update head", || model.wait_version(HEAD, want_version));
+                let head = trace.span(Stream::H2d, step, "upload head", || {
+                    let h = model.head.read().unwrap_or_else(|e| e.into_inner());
+                    HeadWeights::<Inner<B>>::from_host_parts(&h.embed_tokens, &h.norm, h.lm_head.as_ref(), &device)
+                });
                 let mut kept: HashMap<usize, Tensor<Inner<B>, 3>> = HashMap::new();
                 let mut x = trace.span(Stream::Compute, step, "embed", || embed(&head, ids));
                 kept.insert(0, x.clone());

@@ -1,12 +1,15 @@
 //! Host gradient buffers with fused sum-of-squares accumulation.
+//!
+//! Each layer's gradients sit behind their own lock: the d2h stream accumulates into layer `i`
+//! while the optimizer thread may be reading layer `j`'s gradients of the previous step.
+
+use std::sync::Mutex;
 
 use lt_model::host::HostModel;
 
-/// fp32 gradients of every parameter, laid out like [`HostModel`].
+/// Gradients of the embedding, final norm and untied head.
 #[derive(Debug, Clone, PartialEq)]
-pub struct HostGrads {
-    /// Per layer, per parameter (in `layer_params` order).
-    pub layers: Vec<Vec<Vec<f32>>>,
+pub struct HeadGrads {
     /// `embed_tokens.weight` (includes the head's contribution when tied).
     pub embed_tokens: Vec<f32>,
     /// `norm.weight`.
@@ -15,40 +18,84 @@ pub struct HostGrads {
     pub lm_head: Option<Vec<f32>>,
 }
 
+/// fp32 gradients of every parameter.
+#[derive(Debug)]
+pub struct HostGrads {
+    /// Per layer, per parameter (in `layer_params` order).
+    pub layers: Vec<Mutex<Vec<Vec<f32>>>>,
+    /// Embedding, norm, head.
+    pub head: Mutex<HeadGrads>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 impl HostGrads {
     /// Zero gradients shaped like `host`.
     pub fn zeros_like(host: &HostModel) -> Self {
         Self {
-            layers: host.layers.iter().map(|l| l.tensors.iter().map(|t| vec![0.0; t.data.len()]).collect()).collect(),
-            embed_tokens: vec![0.0; host.embed_tokens.data.len()],
-            norm: vec![0.0; host.norm.data.len()],
-            lm_head: host.lm_head.as_ref().map(|t| vec![0.0; t.data.len()]),
+            layers: host
+                .layers
+                .iter()
+                .map(|l| Mutex::new(l.tensors.iter().map(|t| vec![0.0; t.data.len()]).collect()))
+                .collect(),
+            head: Mutex::new(HeadGrads {
+                embed_tokens: vec![0.0; host.embed_tokens.data.len()],
+                norm: vec![0.0; host.norm.data.len()],
+                lm_head: host.lm_head.as_ref().map(|t| vec![0.0; t.data.len()]),
+            }),
         }
     }
 
-    /// Set every gradient to zero (start of a step).
-    pub fn zero(&mut self) {
-        for l in &mut self.layers {
-            for p in l {
-                p.fill(0.0);
+    /// Zero layer `i`'s gradients.
+    pub fn zero_layer(&self, i: usize) {
+        for p in lock(&self.layers[i]).iter_mut() {
+            p.fill(0.0);
+        }
+    }
+
+    /// Zero the head's gradients.
+    pub fn zero_head(&self) {
+        let mut h = lock(&self.head);
+        h.embed_tokens.fill(0.0);
+        h.norm.fill(0.0);
+        if let Some(x) = &mut h.lm_head {
+            x.fill(0.0);
+        }
+    }
+
+    /// Zero everything.
+    pub fn zero(&self) {
+        self.zero_head();
+        for i in 0..self.layers.len() {
+            self.zero_layer(i);
+        }
+    }
+
+    /// A copy of every gradient as `(checkpoint-relative name, values)`.
+    pub fn named(&self, host: &HostModel) -> Vec<(String, Vec<f32>)> {
+        let h = lock(&self.head);
+        let mut out = vec![("embed_tokens.weight".to_string(), h.embed_tokens.clone()), ("norm.weight".into(), h.norm.clone())];
+        if let Some(x) = &h.lm_head {
+            out.push(("lm_head.weight".into(), x.clone()));
+        }
+        for (i, l) in self.layers.iter().enumerate() {
+            for (g, s) in lock(l).iter().zip(&host.layers[i].specs) {
+                out.push((format!("layers.{i}.{}", s.name), g.clone()));
             }
         }
-        self.embed_tokens.fill(0.0);
-        self.norm.fill(0.0);
-        if let Some(h) = &mut self.lm_head {
-            h.fill(0.0);
-        }
+        out
     }
 
-    /// Iterate `(checkpoint-relative name, gradient)` over every parameter.
-    pub fn named<'a>(&'a self, host: &'a HostModel) -> impl Iterator<Item = (String, &'a [f32])> + 'a {
-        let outer = [("embed_tokens.weight".to_string(), self.embed_tokens.as_slice()), ("norm.weight".into(), &self.norm)]
-            .into_iter()
-            .chain(self.lm_head.as_deref().map(|h| ("lm_head.weight".to_string(), h)));
-        let layers = self.layers.iter().enumerate().flat_map(move |(i, l)| {
-            l.iter().zip(&host.layers[i].specs).map(move |(g, s)| (format!("layers.{i}.{}", s.name), g.as_slice()))
-        });
-        outer.chain(layers)
+    /// Lock layer `i`.
+    pub fn layer(&self, i: usize) -> std::sync::MutexGuard<'_, Vec<Vec<f32>>> {
+        lock(&self.layers[i])
+    }
+
+    /// Lock the head.
+    pub fn head(&self) -> std::sync::MutexGuard<'_, HeadGrads> {
+        lock(&self.head)
     }
 }
 

@@ -7,14 +7,15 @@
 //! operation is traced per stream so exposure is measured, not estimated.
 //!
 //! ```no_run
-//! use lt_exec::{executor::Executor, grads::HostGrads, plan::ExecPlan};
+//! use lt_exec::{executor::Executor, grads::HostGrads, plan::ExecPlan, state::SharedModel};
 //! use lt_model::{CpuAutodiff, host::HostModel, model::Batch};
 //! let host = HostModel::load(std::path::Path::new("tools/fixtures/models/qwen3-tied-mqa")).unwrap();
 //! let plan = ExecPlan::every(host.config.num_layers(), 4, lt_exec::plan::Placement::Device);
 //! let mut ex = Executor::<CpuAutodiff>::new(plan, lt_core::ByteSize::gib(1), Default::default(), None);
 //! let batch = Batch::from_ids(vec![vec![1, 2, 3, 4]]);
-//! let mut grads = HostGrads::zeros_like(&host);
-//! let r = ex.micro_batch(&host, &batch, batch.loss_tokens(), true, &mut grads).unwrap();
+//! let grads = HostGrads::zeros_like(&host);
+//! let model = SharedModel::new(host, 0);
+//! let r = ex.micro_batch(&model, &batch, batch.loss_tokens(), true, &grads, 0).unwrap();
 //! println!("loss {}", r.loss);
 //! ```
 
@@ -23,6 +24,7 @@ pub mod error;
 pub mod executor;
 pub mod grads;
 pub mod plan;
+pub mod state;
 pub mod trace;
 
 pub use error::ExecError;

@@ -88,6 +88,16 @@ impl Trace {
         out
     }
 
+    /// Time `f` as stream `who` waiting on stream `on` (e.g. an upload waiting for the optimizer).
+    pub fn wait_as<T>(&self, who: Stream, on: Stream, step: u64, name: impl Into<String>, f: impl FnOnce() -> T) -> T {
+        let s = Instant::now();
+        let out = f();
+        if s.elapsed().as_micros() > 0 {
+            self.record(who, step, name.into(), s, Some(on));
+        }
+        out
+    }
+
     fn record(&self, stream: Stream, step: u64, name: String, start: Instant, waited_on: Option<Stream>) {
         let start_us = start.duration_since(self.t0).as_secs_f64() * 1e6;
         let dur_us = start.elapsed().as_secs_f64() * 1e6;
@@ -111,7 +121,7 @@ impl Trace {
             match (e.stream, e.waited_on) {
                 (Stream::Compute, Some(on)) => *t.exposed.entry(on) += secs,
                 (s, None) => *t.busy.entry(s) += secs,
-                _ => {}
+                (_, Some(on)) => *t.upstream_waits.entry(on) += secs,
             }
         }
         t
@@ -182,6 +192,9 @@ pub struct StepTiming {
     pub busy: PerStream,
     /// Measured exposure: time the compute stream waited on each other stream.
     pub exposed: PerStream,
+    /// Time other streams waited on a stream (e.g. uploads held back by a late optimizer update;
+    /// such waits become exposure only if compute then waits on the upload).
+    pub upstream_waits: PerStream,
 }
 
 #[cfg(test)]

@@ -27,3 +27,10 @@ pub use error::ModelError;
 pub type CpuBackend = burn::backend::NdArray<f32>;
 /// The CPU backend with autodiff.
 pub type CpuAutodiff = burn::backend::Autodiff<CpuBackend>;
+
+/// The CUDA backend: bf16 compute on the GPU (fp32 masters stay on the host).
+#[cfg(feature = "cuda")]
+pub type CudaBackend = burn_cuda::Cuda<half::bf16, i32>;
+/// The CUDA backend with autodiff.
+#[cfg(feature = "cuda")]
+pub type CudaAutodiff = burn::backend::Autodiff<CudaBackend>;

@@ -190,10 +190,20 @@ impl<B: Backend> LayerWeights<B> {
 impl<B: Backend> HeadWeights<B> {
     /// Bind the embedding, final norm and head of a host model.
     pub fn from_host(host: &HostModel, device: &B::Device) -> Self {
+        Self::from_host_parts(&host.embed_tokens, &host.norm, host.lm_head.as_ref(), device)
+    }
+
+    /// Bind from the individual host tensors.
+    pub fn from_host_parts(
+        embed_tokens: &HostTensor,
+        norm: &HostTensor,
+        lm_head: Option<&HostTensor>,
+        device: &B::Device,
+    ) -> Self {
         Self {
-            embed_tokens: host_tensor(&host.embed_tokens, device),
-            norm: host_tensor(&host.norm, device),
-            lm_head: host.lm_head.as_ref().map(|t| host_tensor(t, device)),
+            embed_tokens: host_tensor(embed_tokens, device),
+            norm: host_tensor(norm, device),
+            lm_head: lm_head.map(|t| host_tensor(t, device)),
         }
     }
 
