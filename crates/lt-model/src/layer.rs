@@ -1,19 +1,31 @@
 //! One decoder layer: stateless forward over streamed weights, and per-layer backward.
 
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{Bool, Tensor};
+use burn::tensor::{Bool, Tensor, TensorData};
 use lt_core::ModelConfig;
 
 use crate::ops::{self, Rope};
 use crate::weights::{AttnWeights, LayerWeights, LinearAttnWeights, Mixer, ParamMapper, ParamVisitor};
 
-/// Per-batch context shared by all layers: rotary tables and the attention mask.
+/// Per-batch context shared by all layers: rotary tables, the attention mask and, for packed rows,
+/// the sequence boundaries that linear attention must respect.
 #[derive(Debug, Clone)]
 pub struct SeqCtx<B: Backend> {
     /// Rotary tables.
     pub rope: Rope<B>,
     /// `true` where attention is forbidden, `[B, 1, T, T]`.
     pub mask: Tensor<B, 4, Bool>,
+    /// Packed rows only: sequence boundaries for the Gated DeltaNet.
+    pub packing: Option<Packing<B>>,
+}
+
+/// Sequence boundaries inside packed rows.
+#[derive(Debug, Clone)]
+pub struct Packing<B: Backend> {
+    /// `[B, T]`: 0 at the first token of a sequence, 1 elsewhere (recurrent state reset).
+    pub keep: Tensor<B, 2>,
+    /// Per lag `d` in `0..K`: `[B, T, 1]`, 1 where token `t - d` is in the same sequence as `t`.
+    pub lag_masks: Vec<Tensor<B, 3>>,
 }
 
 impl<B: Backend> SeqCtx<B> {
@@ -23,6 +35,40 @@ impl<B: Backend> SeqCtx<B> {
         Self {
             rope: Rope::new(&positions, cfg.rope_theta, cfg.rotary_dim, device),
             mask: ops::attention_mask(b, t, None, device),
+            packing: None,
+        }
+    }
+
+    /// Context for packed rows: per-token positions (restarting at 0 per sequence) and segment ids
+    /// (equal within a sequence; padding is its own segment). Attention never crosses a segment, and
+    /// linear attention restarts its state and conv window at every sequence start, so a packed row
+    /// computes exactly what its sequences would compute one by one.
+    pub fn packed(cfg: &ModelConfig, positions: &[Vec<u32>], segments: &[Vec<u32>], device: &B::Device) -> Self {
+        let b = positions.len();
+        let t = positions.first().map_or(0, Vec::len);
+        let pos: Vec<Vec<usize>> = positions.iter().map(|r| r.iter().map(|&p| p as usize).collect()).collect();
+        let mut keep = Vec::with_capacity(b * t);
+        for row in segments {
+            for (i, s) in row.iter().enumerate() {
+                keep.push(if i > 0 && row[i - 1] == *s { 1.0f32 } else { 0.0 });
+            }
+        }
+        let kmax = cfg.linear.map_or(1, |l| l.conv_kernel);
+        let lag_masks = (0..kmax)
+            .map(|d| {
+                let mut m = Vec::with_capacity(b * t);
+                for row in segments {
+                    for i in 0..t {
+                        m.push(if i >= d && row[i - d] == row[i] { 1.0f32 } else { 0.0 });
+                    }
+                }
+                Tensor::from_data(TensorData::new(m, [b, t, 1]), device)
+            })
+            .collect();
+        Self {
+            rope: Rope::new(&pos, cfg.rope_theta, cfg.rotary_dim, device),
+            mask: ops::attention_mask(b, t, Some(segments), device),
+            packing: Some(Packing { keep: Tensor::from_data(TensorData::new(keep, [b, t]), device), lag_masks }),
         }
     }
 }
@@ -37,6 +83,10 @@ impl<B: AutodiffBackend> SeqCtx<B> {
                 rotary_dim: inner.rope.rotary_dim,
             },
             mask: Tensor::from_inner(inner.mask.clone()),
+            packing: inner.packing.as_ref().map(|p| Packing {
+                keep: Tensor::from_inner(p.keep.clone()),
+                lag_masks: p.lag_masks.iter().map(|m| Tensor::from_inner(m.clone())).collect(),
+            }),
         }
     }
 }
@@ -51,7 +101,7 @@ pub fn layer_forward<B: Backend>(cfg: &ModelConfig, w: &LayerWeights<B>, x: Tens
     let h = ops::rms_norm(x.clone(), &w.common.input_layernorm, eps, zc);
     let mixed = match &w.mixer {
         Mixer::Attention(a) => attention_forward(cfg, a, h, ctx),
-        Mixer::Linear(l) => delta_net_forward(cfg, l, h),
+        Mixer::Linear(l) => delta_net_forward(cfg, l, h, ctx.packing.as_ref()),
     };
     let x = x + mixed;
     let h = ops::rms_norm(x.clone(), &w.common.post_attention_layernorm, eps, zc);
@@ -96,12 +146,21 @@ fn attention_forward<B: Backend>(cfg: &ModelConfig, a: &AttnWeights<B>, h: Tenso
     ops::linear(o, &a.o_proj, a.o_bias.as_ref())
 }
 
-fn delta_net_forward<B: Backend>(cfg: &ModelConfig, l: &LinearAttnWeights<B>, h: Tensor<B, 3>) -> Tensor<B, 3> {
+fn delta_net_forward<B: Backend>(
+    cfg: &ModelConfig,
+    l: &LinearAttnWeights<B>,
+    h: Tensor<B, 3>,
+    packing: Option<&Packing<B>>,
+) -> Tensor<B, 3> {
     let [b, t, _] = h.dims();
     // Validated: a linear layer implies `cfg.linear` is set.
     let Some(lc) = cfg.linear else { return h.zeros_like() };
     let (hk, hv, dk, dv) = (lc.num_key_heads, lc.num_value_heads, lc.key_head_dim, lc.value_head_dim);
-    let qkv = ops::causal_conv_silu(ops::linear(h.clone(), &l.in_proj_qkv, None), &l.conv1d);
+    let qkv = ops::causal_conv_silu(
+        ops::linear(h.clone(), &l.in_proj_qkv, None),
+        &l.conv1d,
+        packing.map(|p| p.lag_masks.as_slice()),
+    );
     let z = ops::linear(h.clone(), &l.in_proj_z, None).reshape([b, t, hv, dv]);
     let beta = ops::gate(ops::linear(h.clone(), &l.in_proj_b, None)); // [B,T,Hv]
     let a = ops::linear(h, &l.in_proj_a, None);
@@ -123,6 +182,7 @@ fn delta_net_forward<B: Backend>(cfg: &ModelConfig, l: &LinearAttnWeights<B>, h:
         v.swap_dims(1, 2),
         g.swap_dims(1, 2),
         beta.swap_dims(1, 2),
+        packing.map(|p| &p.keep),
     ); // [B,Hv,T,dv]
     let o = ops::gated_rms_norm(o.swap_dims(1, 2), z, &l.norm, cfg.rms_norm_eps);
     ops::linear(o.reshape([b, t, hv * dv]), &l.out_proj, None)

@@ -20,6 +20,18 @@ pub struct Batch {
     pub input_ids: Vec<Vec<u32>>,
     /// Labels, `[B][T]`, aligned with `input_ids`.
     pub labels: Vec<Vec<i64>>,
+    /// Packed rows: per-token positions and segment ids (see [`crate::layer::SeqCtx::packed`]);
+    /// `None` for one sequence per row starting at position 0.
+    pub packing: Option<PackInfo>,
+}
+
+/// Positions and segment ids of packed rows, `[B][T]` each.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PackInfo {
+    /// Position of each token within its sequence.
+    pub positions: Vec<Vec<u32>>,
+    /// Sequence id of each token within its row (padding is its own segment).
+    pub segments: Vec<Vec<u32>>,
 }
 
 impl Batch {
@@ -45,6 +57,12 @@ impl Batch {
         if self.labels.len() != b || self.labels.iter().any(|l| l.len() != t) {
             return Err(bad("labels are not aligned with input_ids".into()));
         }
+        if let Some(p) = &self.packing {
+            let aligned = |v: &Vec<Vec<u32>>| v.len() == b && v.iter().all(|r| r.len() == t);
+            if !aligned(&p.positions) || !aligned(&p.segments) {
+                return Err(bad("position_ids / segment_ids are not aligned with input_ids".into()));
+            }
+        }
         for (row, l) in self.labels.iter().enumerate() {
             if let Some((col, &id)) = l.iter().enumerate().find(|(_, v)| **v != IGNORE_INDEX && (**v < 0 || **v as usize >= vocab)) {
                 return Err(ModelError::TokenOutOfRange { source_name: source_name.into(), row, col, id, vocab });
@@ -56,7 +74,21 @@ impl Batch {
     /// Labels equal to the inputs (plain language modelling).
     pub fn from_ids(input_ids: Vec<Vec<u32>>) -> Self {
         let labels = input_ids.iter().map(|r| r.iter().map(|&v| i64::from(v)).collect()).collect();
-        Self { input_ids, labels }
+        Self { input_ids, labels, packing: None }
+    }
+
+    /// A batch with labels (one sequence per row).
+    pub fn new(input_ids: Vec<Vec<u32>>, labels: Vec<Vec<i64>>) -> Self {
+        Self { input_ids, labels, packing: None }
+    }
+
+    /// The context (rotary tables, masks) this batch needs on `device`.
+    pub fn context<B: Backend>(&self, cfg: &lt_core::ModelConfig, device: &B::Device) -> SeqCtx<B> {
+        let (b, t) = (self.input_ids.len(), self.input_ids.first().map_or(0, Vec::len));
+        match &self.packing {
+            Some(p) => SeqCtx::packed(cfg, &p.positions, &p.segments, device),
+            None => SeqCtx::causal(cfg, b, t, device),
+        }
     }
 
     /// Number of tokens that contribute to the loss (shifted, non-ignored).
@@ -135,6 +167,16 @@ pub fn forward_logits<B: Backend>(model: &DeviceModel<B>, ids: &[Vec<u32>]) -> T
     let cfg = &model.config;
     let (b, t) = (ids.len(), ids.first().map_or(0, Vec::len));
     let ctx = SeqCtx::causal(cfg, b, t, &model.head.embed_tokens.device());
+    forward_logits_ctx(model, ids, &ctx)
+}
+
+/// Whole-model logits under an explicit context (e.g. packed rows).
+///
+/// # Shapes
+/// - ids: `[B][T]` -> `[B, T, vocab]`
+pub fn forward_logits_ctx<B: Backend>(model: &DeviceModel<B>, ids: &[Vec<u32>], ctx: &SeqCtx<B>) -> Tensor<B, 3> {
+    let cfg = &model.config;
+    let ctx = ctx.clone();
     let mut x = embed(&model.head, ids);
     for w in &model.layers {
         x = layer_forward(cfg, w, x, &ctx);
@@ -151,8 +193,7 @@ pub fn full_graph_grads<B: AutodiffBackend>(
 ) -> (f32, Vec<(String, Vec<f32>)>) {
     let cfg = &model.config;
     let m: DeviceModel<B> = model.clone().map(&mut RequireGrad);
-    let (b, t) = (batch.input_ids.len(), batch.input_ids.first().map_or(0, Vec::len));
-    let ctx = SeqCtx::<B>::causal(cfg, b, t, &m.head.embed_tokens.device());
+    let ctx = batch.context::<B>(cfg, &m.head.embed_tokens.device());
     let mut x = embed(&m.head, &batch.input_ids);
     for w in &m.layers {
         x = layer_forward(cfg, w, x, &ctx);

@@ -146,9 +146,12 @@ pub fn sdpa<B: Backend>(q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>, mask:
 
 /// Causal depthwise conv1d with left zero padding of `K - 1`, followed by SiLU.
 ///
+/// With packed sequences, `lag_masks[j]` (`[B, T, 1]`, 1 or 0) says whether the input `K - 1 - j`
+/// steps back belongs to the same sequence, so no window reaches into the previous sequence.
+///
 /// # Shapes
 /// - x: `[B, T, C]`, w: `[C, 1, K]` -> `[B, T, C]`
-pub fn causal_conv_silu<B: Backend>(x: Tensor<B, 3>, w: &Tensor<B, 3>) -> Tensor<B, 3> {
+pub fn causal_conv_silu<B: Backend>(x: Tensor<B, 3>, w: &Tensor<B, 3>, lag_masks: Option<&[Tensor<B, 3>]>) -> Tensor<B, 3> {
     let [b, t, c] = x.dims();
     let k = w.dims()[2];
     let pad = Tensor::<B, 3>::zeros([b, k - 1, c], &x.device());
@@ -156,7 +159,10 @@ pub fn causal_conv_silu<B: Backend>(x: Tensor<B, 3>, w: &Tensor<B, 3>) -> Tensor
     let w2 = w.clone().reshape([c, k]);
     let mut acc: Option<Tensor<B, 3>> = None;
     for j in 0..k {
-        let term = xp.clone().narrow(1, j, t) * w2.clone().narrow(1, j, 1).reshape([1, 1, c]);
+        let mut term = xp.clone().narrow(1, j, t) * w2.clone().narrow(1, j, 1).reshape([1, 1, c]);
+        if let Some(m) = lag_masks.and_then(|m| m.get(k - 1 - j)) {
+            term = term * m.clone();
+        }
         acc = Some(match acc {
             Some(a) => a + term,
             None => term,
@@ -176,6 +182,9 @@ pub fn l2norm<B: Backend, const D: usize>(x: Tensor<B, D>, eps: f64) -> Tensor<B
 ///
 /// `q` and `k` must already be L2-normalised and `q` scaled by `1/sqrt(dk)`.
 ///
+/// With packed sequences, `keep` (`[B, T]`, 0 at the first token of each sequence, else 1) clears
+/// the state at every sequence start.
+///
 /// # Shapes
 /// - q, k: `[B, H, T, dk]`, v: `[B, H, T, dv]`, g (log decay), beta: `[B, H, T]` -> `[B, H, T, dv]`
 pub fn gated_delta_rule<B: Backend>(
@@ -184,6 +193,7 @@ pub fn gated_delta_rule<B: Backend>(
     v: Tensor<B, 4>,
     g: Tensor<B, 3>,
     beta: Tensor<B, 3>,
+    keep: Option<&Tensor<B, 2>>,
 ) -> Tensor<B, 4> {
     let [b, h, t, dk] = k.dims();
     let dv = v.dims()[3];
@@ -197,6 +207,9 @@ pub fn gated_delta_rule<B: Backend>(
         let d_t = decay.clone().narrow(2, i, 1).reshape([b, h, 1, 1]);
         let b_t = beta.clone().narrow(2, i, 1).reshape([b, h, 1, 1]);
         state = state * d_t;
+        if let Some(keep) = keep {
+            state = state * keep.clone().narrow(1, i, 1).reshape([b, 1, 1, 1]);
+        }
         let kv_mem = k_t.clone().matmul(state.clone()); // [B,H,1,dv]
         let delta = (v_t - kv_mem) * b_t;
         state = state + k_t.swap_dims(2, 3).matmul(delta); // outer product [B,H,dk,dv]

@@ -33,7 +33,7 @@ fn batch(dir: &Path) -> Batch {
         ids.push(v["input_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect());
         labels.push(v["labels"].as_array().unwrap().iter().map(|x| x.as_i64().unwrap()).collect());
     }
-    Batch { input_ids: ids, labels }
+    Batch::new(ids, labels)
 }
 
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
