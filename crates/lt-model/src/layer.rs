@@ -17,6 +17,8 @@ pub struct SeqCtx<B: Backend> {
     pub mask: Tensor<B, 4, Bool>,
     /// Packed rows only: sequence boundaries for the Gated DeltaNet.
     pub packing: Option<Packing<B>>,
+    /// `[B, T, 1]`: 1 for real tokens, 0 for padding (batched generation with left padding).
+    pub token_mask: Option<Tensor<B, 3>>,
 }
 
 /// Sequence boundaries inside packed rows.
@@ -36,6 +38,7 @@ impl<B: Backend> SeqCtx<B> {
             rope: Rope::new(&positions, cfg.rope_theta, cfg.rotary_dim, device),
             mask: ops::attention_mask(b, t, None, device),
             packing: None,
+            token_mask: None,
         }
     }
 
@@ -69,6 +72,7 @@ impl<B: Backend> SeqCtx<B> {
             rope: Rope::new(&pos, cfg.rope_theta, cfg.rotary_dim, device),
             mask: ops::attention_mask(b, t, Some(segments), device),
             packing: Some(Packing { keep: Tensor::from_data(TensorData::new(keep, [b, t]), device), lag_masks }),
+            token_mask: None,
         }
     }
 }
@@ -87,6 +91,7 @@ impl<B: AutodiffBackend> SeqCtx<B> {
                 keep: Tensor::from_inner(p.keep.clone()),
                 lag_masks: p.lag_masks.iter().map(|m| Tensor::from_inner(m.clone())).collect(),
             }),
+            token_mask: inner.token_mask.as_ref().map(|m| Tensor::from_inner(m.clone())),
         }
     }
 }
@@ -96,12 +101,39 @@ impl<B: AutodiffBackend> SeqCtx<B> {
 /// # Shapes
 /// - x: `[B, T, hidden]` -> `[B, T, hidden]`
 pub fn layer_forward<B: Backend>(cfg: &ModelConfig, w: &LayerWeights<B>, x: Tensor<B, 3>, ctx: &SeqCtx<B>) -> Tensor<B, 3> {
+    layer_forward_cached(cfg, w, x, ctx, None)
+}
+
+/// Decoding state of one layer: keys/values of attention layers, conv window and recurrent state of
+/// linear-attention layers.
+#[derive(Debug, Clone, Default)]
+pub struct LayerCache<B: Backend> {
+    /// Attention keys after RoPE, `[B, H_kv, T, D]`.
+    pub k: Option<Tensor<B, 4>>,
+    /// Attention values, `[B, H_kv, T, D]`.
+    pub v: Option<Tensor<B, 4>>,
+    /// DeltaNet conv inputs of the last `K - 1` tokens, `[B, K - 1, C]`.
+    pub conv: Option<Tensor<B, 3>>,
+    /// DeltaNet recurrent state, `[B, H, dk, dv]`.
+    pub state: Option<Tensor<B, 4>>,
+}
+
+/// [`layer_forward`] that reads and extends a decoding cache. With a cache, `ctx.mask` is
+/// `[B, 1, T_new, T_cached + T_new]`, `ctx.rope` covers the new tokens, and `ctx.token_mask` (if any)
+/// zeroes padding tokens' linear-attention inputs.
+pub fn layer_forward_cached<B: Backend>(
+    cfg: &ModelConfig,
+    w: &LayerWeights<B>,
+    x: Tensor<B, 3>,
+    ctx: &SeqCtx<B>,
+    cache: Option<&mut LayerCache<B>>,
+) -> Tensor<B, 3> {
     let eps = cfg.rms_norm_eps;
     let zc = cfg.zero_centered_norm;
     let h = ops::rms_norm(x.clone(), &w.common.input_layernorm, eps, zc);
     let mixed = match &w.mixer {
-        Mixer::Attention(a) => attention_forward(cfg, a, h, ctx),
-        Mixer::Linear(l) => delta_net_forward(cfg, l, h, ctx.packing.as_ref()),
+        Mixer::Attention(a) => attention_forward(cfg, a, h, ctx, cache),
+        Mixer::Linear(l) => delta_net_forward(cfg, l, h, ctx, cache),
     };
     let x = x + mixed;
     let h = ops::rms_norm(x.clone(), &w.common.post_attention_layernorm, eps, zc);
@@ -110,7 +142,13 @@ pub fn layer_forward<B: Backend>(cfg: &ModelConfig, w: &LayerWeights<B>, x: Tens
     x + ops::linear(act, &w.common.down_proj, None)
 }
 
-fn attention_forward<B: Backend>(cfg: &ModelConfig, a: &AttnWeights<B>, h: Tensor<B, 3>, ctx: &SeqCtx<B>) -> Tensor<B, 3> {
+fn attention_forward<B: Backend>(
+    cfg: &ModelConfig,
+    a: &AttnWeights<B>,
+    h: Tensor<B, 3>,
+    ctx: &SeqCtx<B>,
+    cache: Option<&mut LayerCache<B>>,
+) -> Tensor<B, 3> {
     let [b, t, _] = h.dims();
     let (nh, nkv, d) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
     let q_all = ops::linear(h.clone(), &a.q_proj, a.q_bias.as_ref());
@@ -136,8 +174,18 @@ fn attention_forward<B: Backend>(cfg: &ModelConfig, a: &AttnWeights<B>, h: Tenso
         None => k,
     };
     let q = ctx.rope.apply(q.swap_dims(1, 2));
-    let k = ops::repeat_kv(ctx.rope.apply(k.swap_dims(1, 2)), nh / nkv);
-    let v = ops::repeat_kv(v.swap_dims(1, 2), nh / nkv);
+    let mut k = ctx.rope.apply(k.swap_dims(1, 2));
+    let mut v = v.swap_dims(1, 2);
+    if let Some(c) = cache {
+        if let (Some(pk), Some(pv)) = (c.k.take(), c.v.take()) {
+            k = Tensor::cat(vec![pk, k], 2);
+            v = Tensor::cat(vec![pv, v], 2);
+        }
+        c.k = Some(k.clone());
+        c.v = Some(v.clone());
+    }
+    let k = ops::repeat_kv(k, nh / nkv);
+    let v = ops::repeat_kv(v, nh / nkv);
     let o = ops::sdpa(q, k, v, &ctx.mask, (d as f64).powf(-0.5));
     let mut o = o.swap_dims(1, 2).reshape([b, t, nh * d]);
     if let Some(g) = gate {
@@ -150,17 +198,31 @@ fn delta_net_forward<B: Backend>(
     cfg: &ModelConfig,
     l: &LinearAttnWeights<B>,
     h: Tensor<B, 3>,
-    packing: Option<&Packing<B>>,
+    ctx: &SeqCtx<B>,
+    mut cache: Option<&mut LayerCache<B>>,
 ) -> Tensor<B, 3> {
+    let packing = ctx.packing.as_ref();
     let [b, t, _] = h.dims();
     // Validated: a linear layer implies `cfg.linear` is set.
     let Some(lc) = cfg.linear else { return h.zeros_like() };
     let (hk, hv, dk, dv) = (lc.num_key_heads, lc.num_value_heads, lc.key_head_dim, lc.value_head_dim);
-    let qkv = ops::causal_conv_silu(
-        ops::linear(h.clone(), &l.in_proj_qkv, None),
-        &l.conv1d,
-        packing.map(|p| p.lag_masks.as_slice()),
-    );
+    let mut qkv_in = ops::linear(h.clone(), &l.in_proj_qkv, None);
+    if let Some(m) = &ctx.token_mask {
+        qkv_in = qkv_in * m.clone();
+    }
+    let lags = packing.map(|p| p.lag_masks.as_slice());
+    let qkv = match cache.as_deref_mut() {
+        Some(c) => {
+            let kk = l.conv1d.dims()[2];
+            let [_, _, ch] = qkv_in.dims();
+            let prev = c.conv.take().unwrap_or_else(|| Tensor::zeros([b, kk - 1, ch], &qkv_in.device()));
+            let window = Tensor::cat(vec![prev.clone(), qkv_in.clone()], 1);
+            let total = window.dims()[1];
+            c.conv = Some(window.narrow(1, total - (kk - 1), kk - 1));
+            ops::causal_conv_silu_with_state(qkv_in, &l.conv1d, lags, prev)
+        }
+        None => ops::causal_conv_silu(qkv_in, &l.conv1d, lags),
+    };
     let z = ops::linear(h.clone(), &l.in_proj_z, None).reshape([b, t, hv, dv]);
     let beta = ops::gate(ops::linear(h.clone(), &l.in_proj_b, None)); // [B,T,Hv]
     let a = ops::linear(h, &l.in_proj_a, None);
@@ -176,14 +238,19 @@ fn delta_net_forward<B: Backend>(
     };
     let q = ops::l2norm(expand(q), 1e-6) * (1.0 / (dk as f64).sqrt());
     let k = ops::l2norm(expand(k), 1e-6);
-    let o = ops::gated_delta_rule(
+    let init = cache.as_deref_mut().and_then(|c| c.state.take());
+    let (o, state) = ops::gated_delta_rule_with_state(
         q.swap_dims(1, 2),
         k.swap_dims(1, 2),
         v.swap_dims(1, 2),
         g.swap_dims(1, 2),
         beta.swap_dims(1, 2),
         packing.map(|p| &p.keep),
+        init,
     ); // [B,Hv,T,dv]
+    if let Some(c) = cache {
+        c.state = Some(state);
+    }
     let o = ops::gated_rms_norm(o.swap_dims(1, 2), z, &l.norm, cfg.rms_norm_eps);
     ops::linear(o.reshape([b, t, hv * dv]), &l.out_proj, None)
 }

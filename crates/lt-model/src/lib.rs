@@ -15,6 +15,7 @@
 //! ```
 
 pub mod error;
+pub mod generate;
 pub mod host;
 pub mod layer;
 pub mod model;

@@ -136,11 +136,12 @@ pub fn repeat_kv<B: Backend>(x: Tensor<B, 4>, n_rep: usize) -> Tensor<B, 4> {
 /// Eager softmax attention with a boolean mask.
 ///
 /// # Shapes
-/// - q: `[B, H, T, D]`, k/v: `[B, H, T, D]`, mask: `[B, 1, T, T]` -> `[B, H, T, D]`
+/// - q: `[B, H, Tq, D]`, k/v: `[B, H, Tk, D]`, mask: `[B, 1, Tq, Tk]` -> `[B, H, Tq, D]`
 pub fn sdpa<B: Backend>(q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>, mask: &Tensor<B, 4, Bool>, scale: f64) -> Tensor<B, 4> {
-    let [b, h, t, _] = q.dims();
+    let [b, h, tq, _] = q.dims();
+    let tk = k.dims()[2];
     let scores = q.matmul(k.swap_dims(2, 3)) * scale;
-    let scores = scores.mask_fill(mask.clone().expand([b, h, t, t]), f32::NEG_INFINITY);
+    let scores = scores.mask_fill(mask.clone().expand([b, h, tq, tk]), f32::NEG_INFINITY);
     softmax(scores, 3).matmul(v)
 }
 
@@ -152,9 +153,22 @@ pub fn sdpa<B: Backend>(q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>, mask:
 /// # Shapes
 /// - x: `[B, T, C]`, w: `[C, 1, K]` -> `[B, T, C]`
 pub fn causal_conv_silu<B: Backend>(x: Tensor<B, 3>, w: &Tensor<B, 3>, lag_masks: Option<&[Tensor<B, 3>]>) -> Tensor<B, 3> {
-    let [b, t, c] = x.dims();
+    let [b, _, c] = x.dims();
     let k = w.dims()[2];
     let pad = Tensor::<B, 3>::zeros([b, k - 1, c], &x.device());
+    causal_conv_silu_with_state(x, w, lag_masks, pad)
+}
+
+/// [`causal_conv_silu`] continuing from `state` (the previous `K - 1` inputs, `[B, K - 1, C]`),
+/// as incremental decoding needs.
+pub fn causal_conv_silu_with_state<B: Backend>(
+    x: Tensor<B, 3>,
+    w: &Tensor<B, 3>,
+    lag_masks: Option<&[Tensor<B, 3>]>,
+    pad: Tensor<B, 3>,
+) -> Tensor<B, 3> {
+    let [b, t, c] = x.dims();
+    let k = w.dims()[2];
     let xp = Tensor::cat(vec![pad, x], 1);
     let w2 = w.clone().reshape([c, k]);
     let mut acc: Option<Tensor<B, 3>> = None;
@@ -195,10 +209,23 @@ pub fn gated_delta_rule<B: Backend>(
     beta: Tensor<B, 3>,
     keep: Option<&Tensor<B, 2>>,
 ) -> Tensor<B, 4> {
+    gated_delta_rule_with_state(q, k, v, g, beta, keep, None).0
+}
+
+/// [`gated_delta_rule`] from an initial state (`[B, H, dk, dv]`), also returning the final state.
+pub fn gated_delta_rule_with_state<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    g: Tensor<B, 3>,
+    beta: Tensor<B, 3>,
+    keep: Option<&Tensor<B, 2>>,
+    init: Option<Tensor<B, 4>>,
+) -> (Tensor<B, 4>, Tensor<B, 4>) {
     let [b, h, t, dk] = k.dims();
     let dv = v.dims()[3];
     let decay = g.exp();
-    let mut state = Tensor::<B, 4>::zeros([b, h, dk, dv], &q.device());
+    let mut state = init.unwrap_or_else(|| Tensor::<B, 4>::zeros([b, h, dk, dv], &q.device()));
     let mut outs = Vec::with_capacity(t);
     for i in 0..t {
         let q_t = q.clone().narrow(2, i, 1); // [B,H,1,dk]
@@ -215,7 +242,7 @@ pub fn gated_delta_rule<B: Backend>(
         state = state + k_t.swap_dims(2, 3).matmul(delta); // outer product [B,H,dk,dv]
         outs.push(q_t.matmul(state.clone())); // [B,H,1,dv]
     }
-    Tensor::cat(outs, 2)
+    (Tensor::cat(outs, 2), state)
 }
 
 /// Gated RMSNorm of the DeltaNet output: `rmsnorm(x) * w * silu(gate)` (plain scale, not zero-centred).
