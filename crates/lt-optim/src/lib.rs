@@ -1,1 +1,67 @@
-//! lt-optim (work in progress).
+//! Host-side AdamW for LazyTrain-rs: fp32 and block-wise 8-bit state, with fused gradient clipping.
+//!
+//! `lt-optim` sits beside `lt-storage` and `lt-sched` on top of `lt-core`, and depends on no tensor
+//! library: parameters, gradients and states are plain host slices, so the executor (`lt-exec`)
+//! can update layer `i` on the CPU while the GPU is still running backward for other layers.
+//!
+//! - [`OptimizerKind::AdamW`]: fp32 moments, the same f32 arithmetic as `torch.optim.AdamW`.
+//! - [`OptimizerKind::AdamW8bit`]: moments stored as one byte per element in blocks of 256 with one
+//!   f32 absmax per block (bitsandbytes' dynamic maps, about 2.03 bytes of state per parameter);
+//!   tensors under 4096 elements keep fp32 state. Codes are the exact nearest map entry (the rule
+//!   bitsandbytes specifies; its CPU kernel deviates near zero, documented in [`qmap`]), found by
+//!   one table read per element instead of a binary search. The AVX-512 kernel dequantizes with
+//!   byte shuffles and keeps the divider for the square root only (see `kernels`).
+//! - Fast clipping: [`grad`] returns each layer's sum of squares while converting or accumulating its
+//!   gradients, [`GradNorm`] adds them, and the clip scale is applied inside the update kernel.
+//! - [`AdamW::save`] / [`AdamW::load`]: versioned, checksummed checkpoints.
+//!
+//! ```
+//! use lt_optim::{AdamW, AdamWConfig, Grad, GradNorm, OptimizerKind, StepOutcome, ThreadPool, grad};
+//!
+//! let pool = ThreadPool::new(2)?;
+//! let cfg = AdamWConfig { lr: 1e-3, max_grad_norm: Some(1.0), ..Default::default() };
+//! let mut opt = AdamW::new(cfg, OptimizerKind::adamw8bit())?;
+//! let layer = opt.add_group("layers.0", &[("mlp.up_proj", 8192), ("input_layernorm", 64)])?;
+//!
+//! let (mut w, mut ln) = (vec![0.5f32; 8192], vec![1.0f32; 64]);
+//! let (gw, gln) = (vec![lt_optim::bf16::from_f32(0.01); 8192], vec![0.02f32; 64]);
+//!
+//! // As the layer's gradients arrive: widen bf16 -> f32 and take the sum of squares in one pass.
+//! let mut gw32 = vec![0f32; 8192];
+//! let mut norm = GradNorm::new();
+//! norm.add(grad::copy_into(Grad::Bf16(&gw), &mut gw32, 1.0, &pool)?);
+//! norm.add(grad::sum_squares(Grad::F32(&gln), &pool));
+//!
+//! // Once every layer has reported: one step number and clip scale for all groups.
+//! if let StepOutcome::Apply(ctx) = opt.begin_step(norm.norm()) {
+//!     opt.groups_mut()[layer].update(&mut [&mut w, &mut ln], &[Grad::F32(&gw32), Grad::F32(&gln)], &ctx, &pool)?;
+//! }
+//! assert_eq!(opt.step_count(), 1);
+//! assert!(w[0] < 0.5);
+//! # Ok::<(), lt_optim::OptimError>(())
+//! ```
+#![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
+
+mod checkpoint;
+mod config;
+mod error;
+pub mod grad;
+mod kernels;
+mod optimizer;
+mod pool;
+pub mod qmap;
+mod qmap_tables;
+mod simd;
+#[cfg(test)]
+mod testutil;
+
+pub use checkpoint::{FORMAT_VERSION, MAGIC};
+pub use config::{AdamWConfig, OptimizerKind, Quant8Config};
+pub use error::{OptimError, Result};
+pub use grad::{Grad, GradNorm};
+/// The bf16 type of [`Grad::Bf16`] (re-exported so callers need not depend on `half`).
+pub use half::bf16;
+pub use optimizer::{AdamW, ParamGroup, StepCtx, StepOutcome, TensorState};
+pub use pool::ThreadPool;
+pub use qmap::QuantMap;
+pub use simd::{SimdLevel, simd_level};

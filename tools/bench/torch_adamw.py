@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""Baselines for `lt bench optimizer`: PyTorch's fused CPU AdamW and bitsandbytes' AdamW8bit on CPU.
+
+Tested with: python 3.11.7, torch 2.15.0, bitsandbytes 0.50.2 (CPU only).
+
+    python3 tools/bench/torch_adamw.py --impl torch-fused --params 64M --threads 2
+    python3 tools/bench/torch_adamw.py --impl bnb-8bit --params 64M --threads 2 --steps 2 --warmup 1
+
+One parameter tensor of N fp32 weights with an fp32 gradient (PyTorch's fused AdamW requires the
+gradient dtype to match the weights), clipping off (its cost is not part of `step()` here), the
+same hyper-parameters as `lt bench optimizer`. Prints one JSON line with the same keys as
+`lt bench optimizer --json`. `bytes_per_param` counts the same way: weight read + write (8),
+gradient read (4), state read + write (16 for fp32 m and v; 4 + 16/256 for 8-bit blocks of 256).
+"""
+import argparse
+import json
+import time
+
+
+def count(s):
+    s = s.strip()
+    mult = {"K": 1e3, "M": 1e6, "G": 1e9}.get(s[-1:].upper(), 1.0)
+    return int(round(float(s[:-1] if mult != 1.0 else s) * mult))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--impl", choices=["torch-fused", "torch-foreach", "bnb-8bit"], required=True)
+    ap.add_argument("--params", type=count, default=count("64M"))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    a = ap.parse_args()
+
+    import torch
+
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+    n = a.params
+    p = torch.nn.Parameter(torch.empty(n).uniform_(-0.05, 0.05))
+    p.grad = torch.empty(n).uniform_(-1, 1)
+    kw = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    if a.impl == "torch-fused":
+        opt = torch.optim.AdamW([p], fused=True, **kw)
+        bpp, state = 28.0, "fp32"
+    elif a.impl == "torch-foreach":
+        opt = torch.optim.AdamW([p], foreach=True, **kw)
+        bpp, state = 28.0, "fp32"
+    else:
+        import bitsandbytes as bnb
+
+        opt = bnb.optim.AdamW8bit([p], **kw)
+        bpp, state = 8.0 + 4.0 + 4.0 + 16.0 / 256, "8bit"
+    times = []
+    for s in range(a.warmup + a.steps):
+        t0 = time.perf_counter()
+        opt.step()
+        dt = time.perf_counter() - t0
+        if s >= a.warmup:
+            times.append(dt)
+    st = opt.state[p]
+    state_bytes = sum(v.numel() * v.element_size() for k, v in st.items() if torch.is_tensor(v) and v.numel() > 1)
+    times.sort()
+    med = times[len(times) // 2]
+    out = {
+        "optimizer": a.impl,
+        "params": n,
+        "threads": a.threads,
+        "grad_dtype": "f32",
+        "state": state,
+        "torch": torch.__version__,
+        "warmup": a.warmup,
+        "steps": a.steps,
+        "seconds_per_step_median": med,
+        "seconds_per_step_best": times[0],
+        "gparams_per_s": n / med / 1e9,
+        "gparams_per_s_best": n / times[0] / 1e9,
+        "bytes_per_param": bpp,
+        "gbytes_per_s": n / med / 1e9 * bpp,
+        "state_bytes_per_param": state_bytes / n,
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

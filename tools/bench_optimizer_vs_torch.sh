@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Host optimizer throughput, LazyTrain-rs vs PyTorch and bitsandbytes, measured in the same run.
+#
+# Usage: tools/bench_optimizer_vs_torch.sh [PARAMS] [THREADS] [REPEATS]   (defaults: 64M 2 3)
+#
+# Builds `lt` in release mode, then REPEATS rounds, each running once, back to back:
+#   lt bench optimizer --optimizer adamw8bit --grad-dtype bf16 | f32
+#   lt bench optimizer --optimizer adamw     --grad-dtype bf16 | f32
+#   torch.optim.AdamW(fused=True) on CPU                        (tools/bench/torch_adamw.py)
+#   bitsandbytes.optim.AdamW8bit on CPU (fewer steps: it runs at ~0.05 Gparam/s)
+# and prints a table of medians over the rounds with each one's ratio to torch fused.
+# Interleaving the rounds exposes every configuration to the same background load; on a shared
+# machine, quote the ratios rather than the absolute figures.
+# Needs: cargo, python3 with torch and bitsandbytes (CPU), ~3 GiB of free memory at 64M params.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PARAMS=${1:-64M}
+THREADS=${2:-2}
+REPEATS=${3:-3}
+STEPS=${STEPS:-10}
+WARMUP=${WARMUP:-3}
+
+cargo build --release -p lt-cli >&2
+LT=target/release/lt
+OUT=$(mktemp)
+trap 'rm -f "$OUT"' EXIT
+
+for r in $(seq 1 "$REPEATS"); do
+    echo "round $r/$REPEATS" >&2
+    for cfg in "adamw8bit bf16" "adamw8bit f32" "adamw bf16" "adamw f32"; do
+        set -- $cfg
+        "$LT" bench optimizer --optimizer "$1" --grad-dtype "$2" --params "$PARAMS" --threads "$THREADS" \
+            --steps "$STEPS" --warmup "$WARMUP" --json | tail -n 1 >> "$OUT"
+    done
+    python3 tools/bench/torch_adamw.py --impl torch-fused --params "$PARAMS" --threads "$THREADS" \
+        --steps "$STEPS" --warmup "$WARMUP" 2>/dev/null | tail -n 1 >> "$OUT"
+    python3 tools/bench/torch_adamw.py --impl bnb-8bit --params "$PARAMS" --threads "$THREADS" \
+        --steps 2 --warmup 1 2>/dev/null | tail -n 1 >> "$OUT"
+done
+
+python3 - "$OUT" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip().startswith("{")]
+groups = {}
+for r in rows:
+    groups.setdefault((r["optimizer"], r["grad_dtype"]), []).append(r)
+med = {k: statistics.median(x["gparams_per_s"] for x in v) for k, v in groups.items()}
+base = med.get(("torch-fused", "f32"))
+print(f"{'optimizer':<12} {'grads':<5} {'runs':>4} {'Gparam/s':>9} {'min..max':>13} {'x torch fused':>13} "
+      f"{'B/param moved':>13} {'GB/s':>6} {'state B/param':>13}")
+for (name, dt), v in sorted(groups.items(), key=lambda kv: -med[kv[0]]):
+    g = [x["gparams_per_s"] for x in v]
+    ratio = f"{med[(name, dt)] / base:.2f}x" if base else "n/a"
+    print(f"{name:<12} {dt:<5} {len(v):>4} {med[(name, dt)]:>9.3f} {min(g):>6.3f}..{max(g):<6.3f} {ratio:>13} "
+          f"{v[0]['bytes_per_param']:>13.2f} {med[(name, dt)] * v[0]['bytes_per_param']:>6.1f} "
+          f"{statistics.median(x['state_bytes_per_param'] for x in v):>13.3f}")
+PY
