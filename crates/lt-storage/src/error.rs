@@ -131,7 +131,9 @@ pub enum StorageError {
         found: u64,
     },
     /// A checkpoint file has a different size than its manifest records (truncated or partial).
-    #[error("{path}: size mismatch: manifest records {expected} bytes, file has {found}: the file is truncated or partial")]
+    #[error(
+        "{path}: size mismatch: manifest records {expected} bytes, file has {found}: the file is truncated or partial"
+    )]
     SizeMismatch {
         /// The file.
         path: PathBuf,
@@ -155,6 +157,18 @@ pub enum StorageError {
         path: PathBuf,
         /// The blob name.
         name: String,
+    },
+    /// A checkpoint blob has a different length than the caller's buffer.
+    #[error("{path}: blob `{name}` holds {bytes} bytes, but {requested} were requested")]
+    BlobLength {
+        /// The checkpoint directory.
+        path: PathBuf,
+        /// The blob name.
+        name: String,
+        /// Its recorded size.
+        bytes: u64,
+        /// The size the caller's buffer implies.
+        requested: u64,
     },
     /// A checkpoint blob or exported tensor name is not usable.
     #[error("invalid name `{name}`: {reason}")]
@@ -193,9 +207,7 @@ impl StorageError {
     /// `EDQUOT`, `EFBIG`) become [`StorageError::NoSpace`].
     pub(crate) fn io_write(path: impl Into<PathBuf>, op: &'static str, source: std::io::Error) -> Self {
         match source.raw_os_error() {
-            Some(libc::ENOSPC | libc::EDQUOT | libc::EFBIG) => {
-                Self::NoSpace { path: path.into(), op, source }
-            }
+            Some(libc::ENOSPC | libc::EDQUOT | libc::EFBIG) => Self::NoSpace { path: path.into(), op, source },
             _ => Self::Io { path: path.into(), op, source },
         }
     }

@@ -11,7 +11,14 @@
 //! ```
 #![deny(unsafe_op_in_unsafe_fn)]
 
+pub mod checkpoint;
 pub mod error;
+pub mod export;
+pub mod hash;
 pub mod safetensors_io;
+pub mod spill;
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod testutil;
 
 pub use error::StorageError;

@@ -76,9 +76,8 @@ fn open_shard(path: &Path) -> Result<Shard, StorageError> {
     // file by another process would be a user error we cannot guard against (same contract as
     // every mmap-based safetensors loader). All reads go through bounds validated by the header.
     let mmap = unsafe { Mmap::map(&file) }.map_err(|e| StorageError::io(path, "mmap", e))?;
-    let (header_len, metadata) = SafeTensors::read_metadata(&mmap).map_err(|e| {
-        StorageError::BadSafetensors { path: path.to_path_buf(), reason: e.to_string() }
-    })?;
+    let (header_len, metadata) = SafeTensors::read_metadata(&mmap)
+        .map_err(|e| StorageError::BadSafetensors { path: path.to_path_buf(), reason: e.to_string() })?;
     Ok(Shard { path: path.to_path_buf(), mmap, header_len, metadata })
 }
 
@@ -96,8 +95,9 @@ impl SafetensorsModel {
             let text = std::fs::read_to_string(&index).map_err(|e| StorageError::io(&index, "read", e))?;
             let v: serde_json::Value = serde_json::from_str(&text)
                 .map_err(|e| StorageError::BadIndex { path: index.clone(), reason: e.to_string() })?;
-            let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| {
-                StorageError::BadIndex { path: index.clone(), reason: "missing object `weight_map`".into() }
+            let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| StorageError::BadIndex {
+                path: index.clone(),
+                reason: "missing object `weight_map`".into(),
             })?;
             let mut files: Vec<String> = Vec::new();
             let mut want: HashMap<String, String> = HashMap::new();
@@ -125,7 +125,10 @@ impl SafetensorsModel {
             return Err(StorageError::io(
                 &single,
                 "open",
-                std::io::Error::new(std::io::ErrorKind::NotFound, "no model.safetensors or model.safetensors.index.json"),
+                std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    "no model.safetensors or model.safetensors.index.json",
+                ),
             ));
         }
         Self::from_shards(path.to_path_buf(), vec![single], None)
@@ -186,7 +189,11 @@ impl SafetensorsModel {
     pub fn meta(&self, name: &str) -> Option<TensorMeta> {
         let shard = &self.shards[*self.location.get(name)?];
         let info = shard.metadata.info(name)?;
-        Some(TensorMeta { dtype: map_dtype(info.dtype), dtype_name: format!("{:?}", info.dtype), shape: info.shape.clone() })
+        Some(TensorMeta {
+            dtype: map_dtype(info.dtype),
+            dtype_name: format!("{:?}", info.dtype),
+            shape: info.shape.clone(),
+        })
     }
 
     fn raw(&self, name: &str) -> Result<(&Shard, DiskDtype, &[u8]), StorageError> {
@@ -212,9 +219,8 @@ impl SafetensorsModel {
             DiskDtype::Bf16 => out.extend(
                 bytes.chunks_exact(2).map(|c| half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32()),
             ),
-            DiskDtype::F16 => out.extend(
-                bytes.chunks_exact(2).map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32()),
-            ),
+            DiskDtype::F16 => out
+                .extend(bytes.chunks_exact(2).map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())),
             DiskDtype::Other => {
                 let dtype = self.meta(name).map(|m| m.dtype_name).unwrap_or_default();
                 return Err(StorageError::UnsupportedDtype { path: shard.path.clone(), name: name.to_string(), dtype });
