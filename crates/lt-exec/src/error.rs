@@ -35,6 +35,20 @@ pub enum ExecError {
     /// The batch is malformed.
     #[error(transparent)]
     Model(#[from] lt_model::ModelError),
+    /// The optimizer rejected its configuration or inputs.
+    #[error(transparent)]
+    Optim(lt_optim::OptimError),
+    /// The optimizer update failed on its thread.
+    #[error("optimizer update failed: {0}")]
+    OptimizerFailed(String),
+    /// A checkpoint does not belong to this model.
+    #[error("{path}: cannot resume: {reason}")]
+    CheckpointMismatch {
+        /// The checkpoint directory.
+        path: std::path::PathBuf,
+        /// What differs.
+        reason: String,
+    },
     /// A worker thread died (a bug).
     #[error("executor worker `{0}` stopped unexpectedly")]
     Worker(&'static str),

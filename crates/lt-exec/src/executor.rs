@@ -27,8 +27,8 @@ use lt_model::weights::{HeadWeights, LayerWeights};
 use crate::budget::DeviceBudget;
 use crate::error::ExecError;
 use crate::grads::{HostGrads, accumulate_sq};
-use crate::state::{HEAD, SharedModel, layer_slot};
 use crate::plan::{ExecPlan, Placement};
+use crate::state::{HEAD, SharedModel, layer_slot};
 use crate::trace::{Stream, Trace};
 
 type Inner<B> = <B as AutodiffBackend>::InnerBackend;
@@ -144,7 +144,12 @@ pub fn head_chunk_bytes(cfg: &ModelConfig, chunk_tokens: usize) -> u64 {
 
 impl<B: AutodiffBackend> Executor<B> {
     /// An executor that runs `plan` within `device_memory` on `device`.
-    pub fn new(plan: ExecPlan, device_memory: ByteSize, device: Dev<B>, spill: Option<Arc<dyn ActivationSpill>>) -> Self {
+    pub fn new(
+        plan: ExecPlan,
+        device_memory: ByteSize,
+        device: Dev<B>,
+        spill: Option<Arc<dyn ActivationSpill>>,
+    ) -> Self {
         Self { plan, device, device_memory, trace: Arc::new(Trace::new()), spill, step: 0, _b: PhantomData }
     }
 
@@ -196,7 +201,9 @@ impl<B: AutodiffBackend> Executor<B> {
             let recompute = (e - s).saturating_sub(1) as u64 * act;
             let fetched = if self.plan.boundaries[s] == Placement::Device { 0 } else { act };
             budget.alloc(recompute + fetched, || format!("recomputed inputs of layers {s}..{e}"))?;
-            budget.free(recompute + fetched + if s > 0 && self.plan.boundaries[s] == Placement::Device { act } else { 0 });
+            budget.free(
+                recompute + fetched + if s > 0 && self.plan.boundaries[s] == Placement::Device { act } else { 0 },
+            );
         }
         Ok(())
     }
@@ -272,16 +279,22 @@ impl<B: AutodiffBackend> Executor<B> {
                     for item in sched {
                         let msg = match item {
                             Up::Layer(i) => {
-                                trace.wait_as(Stream::H2d, Stream::Optimizer, step, format!("wait update L{i}"), || {
-                                    model.wait_version(layer_slot(i), want_version)
-                                });
+                                trace.wait_as(
+                                    Stream::H2d,
+                                    Stream::Optimizer,
+                                    step,
+                                    format!("wait update L{i}"),
+                                    || model.wait_version(layer_slot(i), want_version),
+                                );
                                 Ok(trace.span(Stream::H2d, step, format!("upload L{i}"), || {
                                     let l = model.layers[i].read().unwrap_or_else(|e| e.into_inner());
                                     Uploaded::Layer(i, LayerWeights::from_host(&l, cfg.layer_types[i], device))
                                 }))
                             }
-                            Up::Act(s) => fetch_act::<Inner<B>>(acts, spill.as_deref(), trace, step, s, [b, t, hidden], device)
-                                .map(|x| Uploaded::Act(s, x)),
+                            Up::Act(s) => {
+                                fetch_act::<Inner<B>>(acts, spill.as_deref(), trace, step, s, [b, t, hidden], device)
+                                    .map(|x| Uploaded::Act(s, x))
+                            }
                         };
                         let failed = msg.is_err();
                         if up_tx.send(msg).is_err() || failed {
@@ -303,13 +316,18 @@ impl<B: AutodiffBackend> Executor<B> {
                                     Placement::Nvme => {
                                         let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
                                         let r = match spill.as_deref() {
-                                            Some(sp) => trace.span(Stream::Nvme, step, format!("spill B{s}"), || sp.put(s as u64, &bytes)),
+                                            Some(sp) => trace.span(Stream::Nvme, step, format!("spill B{s}"), || {
+                                                sp.put(s as u64, &bytes)
+                                            }),
                                             None => Ok(()),
                                         };
-                                        acts.put(s, match r {
-                                            Ok(()) => Held::Nvme,
-                                            Err(e) => Held::Failed(e.to_string()),
-                                        });
+                                        acts.put(
+                                            s,
+                                            match r {
+                                                Ok(()) => Held::Nvme,
+                                                Err(e) => Held::Failed(e.to_string()),
+                                            },
+                                        );
                                     }
                                     _ => acts.put(s, Held::Host(data)),
                                 }
@@ -357,7 +375,9 @@ impl<B: AutodiffBackend> Executor<B> {
             // --- compute stream ---
             let run = || -> Result<f64, ExecError> {
                 let recv = |what: &str| -> Result<Uploaded<Inner<B>>, ExecError> {
-                    trace.wait(Stream::H2d, step, format!("wait {what}"), || up_rx.recv()).map_err(|_| ExecError::Worker("h2d"))?
+                    trace
+                        .wait(Stream::H2d, step, format!("wait {what}"), || up_rx.recv())
+                        .map_err(|_| ExecError::Worker("h2d"))?
                 };
                 let layer = |i: usize| -> Result<LayerWeights<Inner<B>>, ExecError> {
                     match recv(&format!("upload L{i}"))? {
@@ -365,7 +385,7 @@ impl<B: AutodiffBackend> Executor<B> {
                         _ => Err(ExecError::Worker("h2d (schedule out of order)")),
                     }
                 };
-                let ctx = SeqCtx::<Inner<B>>::causal(cfg, b, t, &device);
+                let ctx = batch.context::<Inner<B>>(cfg, &device);
                 let ctx_ad = SeqCtx::<B>::lift(&ctx);
                 trace.wait(Stream::Optimizer, step, "wait update head", || model.wait_version(HEAD, want_version));
                 let head = trace.span(Stream::H2d, step, "upload head", || {
@@ -395,7 +415,9 @@ impl<B: AutodiffBackend> Executor<B> {
                 let _ = down_tx.send(Down::Head { norm: gnorm, out: gout });
                 for (s, e) in plan.segments_backward() {
                     let x0 = match plan.boundaries[s] {
-                        Placement::Device => kept.remove(&s).ok_or(ExecError::Worker("compute (missing kept boundary)"))?,
+                        Placement::Device => {
+                            kept.remove(&s).ok_or(ExecError::Worker("compute (missing kept boundary)"))?
+                        }
                         _ => match recv(&format!("boundary B{s}"))? {
                             Uploaded::Act(j, x) if j == s => x,
                             _ => return Err(ExecError::Worker("h2d (schedule out of order)")),
@@ -405,7 +427,9 @@ impl<B: AutodiffBackend> Executor<B> {
                     for j in s..e - 1 {
                         let w = layer(j)?;
                         let prev = xs[xs.len() - 1].clone();
-                        xs.push(trace.span(Stream::Compute, step, format!("recompute L{j}"), || layer_forward(cfg, &w, prev, &ctx)));
+                        xs.push(trace.span(Stream::Compute, step, format!("recompute L{j}"), || {
+                            layer_forward(cfg, &w, prev, &ctx)
+                        }));
                     }
                     for j in (s..e).rev() {
                         let w = layer(j)?;
@@ -424,7 +448,9 @@ impl<B: AutodiffBackend> Executor<B> {
             drop(down_tx);
             drop(up_rx);
             let _ = up.join();
-            let sq = trace.wait(Stream::D2h, step, "wait d2h drain", || down.join()).map_err(|_| ExecError::Worker("d2h"))??;
+            let sq = trace
+                .wait(Stream::D2h, step, "wait d2h drain", || down.join())
+                .map_err(|_| ExecError::Worker("d2h"))??;
             result.map(|l| (l, sq))
         });
         let (loss, sq) = out?;
@@ -459,7 +485,8 @@ fn fetch_act<B: Backend>(
             }));
         }
     };
-    Ok(trace.span(Stream::H2d, step, format!("reload B{s}"), || Tensor::from_data(TensorData::new(data, shape), device)))
+    Ok(trace
+        .span(Stream::H2d, step, format!("reload B{s}"), || Tensor::from_data(TensorData::new(data, shape), device)))
 }
 
 /// Chunked head and loss with backward: returns the loss share, d loss / d x_L, and the gradients of
@@ -527,4 +554,27 @@ fn head_backward<B: AutodiffBackend>(
         a += len;
     }
     (loss, Tensor::cat(gx, 0).reshape([b, t, h]), gnorm, gout)
+}
+
+impl ActivationSpill for lt_storage::spill::SpillStore {
+    fn put(&self, key: u64, data: &[u8]) -> Result<(), lt_storage::StorageError> {
+        lt_storage::spill::SpillStore::put(self, key, data)
+    }
+
+    fn get(&self, key: u64, out: &mut [u8]) -> Result<(), lt_storage::StorageError> {
+        let v = lt_storage::spill::SpillStore::get(self, key)?;
+        if v.len() != out.len() {
+            return Err(lt_storage::StorageError::SizeMismatch {
+                path: format!("spill key {key}").into(),
+                expected: out.len() as u64,
+                found: v.len() as u64,
+            });
+        }
+        out.copy_from_slice(&v);
+        Ok(())
+    }
+
+    fn free(&self, key: u64) {
+        let _ = self.remove(key);
+    }
 }

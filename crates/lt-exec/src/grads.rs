@@ -76,7 +76,8 @@ impl HostGrads {
     /// A copy of every gradient as `(checkpoint-relative name, values)`.
     pub fn named(&self, host: &HostModel) -> Vec<(String, Vec<f32>)> {
         let h = lock(&self.head);
-        let mut out = vec![("embed_tokens.weight".to_string(), h.embed_tokens.clone()), ("norm.weight".into(), h.norm.clone())];
+        let mut out =
+            vec![("embed_tokens.weight".to_string(), h.embed_tokens.clone()), ("norm.weight".into(), h.norm.clone())];
         if let Some(x) = &h.lm_head {
             out.push(("lm_head.weight".into(), x.clone()));
         }

@@ -23,8 +23,10 @@ pub mod budget;
 pub mod error;
 pub mod executor;
 pub mod grads;
+pub mod persist;
 pub mod plan;
 pub mod state;
 pub mod trace;
+pub mod train;
 
 pub use error::ExecError;

@@ -68,7 +68,11 @@ impl ExecPlan {
     pub fn validate(&self, layers: usize) -> Result<(), ExecError> {
         let bad = |reason: String| Err(ExecError::PlanMismatch { reason });
         if self.boundaries.len() != layers + 1 {
-            return bad(format!("{} boundaries for a {layers}-layer model (need {})", self.boundaries.len(), layers + 1));
+            return bad(format!(
+                "{} boundaries for a {layers}-layer model (need {})",
+                self.boundaries.len(),
+                layers + 1
+            ));
         }
         if self.boundaries[0] != Placement::Device || self.boundaries[layers] != Placement::Device {
             return bad("boundaries 0 and L must be kept on the device".into());

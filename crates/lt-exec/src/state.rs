@@ -67,7 +67,11 @@ impl SharedModel {
             embed_tokens: head.embed_tokens,
             norm: head.norm,
             lm_head: head.lm_head,
-            layers: self.layers.iter().map(|l| l.read().map(|g| g.clone()).unwrap_or_else(|e| e.into_inner().clone())).collect(),
+            layers: self
+                .layers
+                .iter()
+                .map(|l| l.read().map(|g| g.clone()).unwrap_or_else(|e| e.into_inner().clone()))
+                .collect(),
             prefix: self.prefix.clone(),
         }
     }

@@ -27,7 +27,7 @@ fn batch(dir: &Path) -> Batch {
         ids.push(v["input_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect());
         labels.push(v["labels"].as_array().unwrap().iter().map(|x| x.as_i64().unwrap()).collect());
     }
-    Batch { input_ids: ids, labels }
+    Batch::new(ids, labels)
 }
 
 fn rel_to_max(got: &[f32], want: &[f32]) -> f32 {
@@ -59,7 +59,11 @@ fn every_plan_matches_full_graph_for_every_family() {
             let grads = HostGrads::zeros_like(&host);
             let shared = SharedModel::new(host.clone(), 0);
             let r = ex.micro_batch(&shared, &b, b.loss_tokens(), true, &grads, 0).unwrap();
-            assert!(((r.loss as f32 - ref_loss) / ref_loss).abs() < 1e-6, "{name}/{pname}: loss {} vs {ref_loss}", r.loss);
+            assert!(
+                ((r.loss as f32 - ref_loss) / ref_loss).abs() < 1e-6,
+                "{name}/{pname}: loss {} vs {ref_loss}",
+                r.loss
+            );
             let mut sq = 0.0f64;
             for (n, g) in grads.named(&host) {
                 let want = &reference.iter().find(|(k, _)| *k == n).unwrap_or_else(|| panic!("{n}")).1;
@@ -88,7 +92,7 @@ fn gradient_accumulation_equals_full_batch() {
     let denom = b.loss_tokens();
     let mut loss = 0.0;
     for r in 0..2 {
-        let mb = Batch { input_ids: vec![b.input_ids[r].clone()], labels: vec![b.labels[r].clone()] };
+        let mb = Batch::new(vec![b.input_ids[r].clone()], vec![b.labels[r].clone()]);
         loss += ex.micro_batch(&shared, &mb, denom, r == 1, &grads, 0).unwrap().loss;
     }
     assert!(((loss as f32 - ref_loss) / ref_loss).abs() < 1e-6);
