@@ -36,9 +36,7 @@ pub enum ConfigError {
         field: &'static str,
     },
     /// The `model_type` is not one we implement.
-    #[error(
-        "{path}: unsupported model_type {model_type:?} (supported: qwen2, qwen3, qwen3_5_text, qwen3_5)"
-    )]
+    #[error("{path}: unsupported model_type {model_type:?} (supported: qwen2, qwen3, qwen3_5_text, qwen3_5)")]
     UnsupportedModelType {
         /// The file.
         path: String,
@@ -244,8 +242,7 @@ impl ModelConfig {
     pub fn from_path(path: &Path) -> Result<Self, ConfigError> {
         let file = if path.is_dir() { path.join("config.json") } else { path.to_path_buf() };
         let name = file.display().to_string();
-        let text = std::fs::read_to_string(&file)
-            .map_err(|source| ConfigError::Io { path: name.clone(), source })?;
+        let text = std::fs::read_to_string(&file).map_err(|source| ConfigError::Io { path: name.clone(), source })?;
         Self::from_json_named(&text, &name)
     }
 
@@ -255,27 +252,22 @@ impl ModelConfig {
     }
 
     fn from_json_named(text: &str, path: &str) -> Result<Self, ConfigError> {
-        let hf: HfConfig = serde_json::from_str(text)
-            .map_err(|source| ConfigError::Json { path: path.to_string(), source })?;
+        let hf: HfConfig =
+            serde_json::from_str(text).map_err(|source| ConfigError::Json { path: path.to_string(), source })?;
         Self::from_hf(&hf, path)
     }
 
     /// Validate an [`HfConfig`]; `path` names the source in errors.
     pub fn from_hf(hf: &HfConfig, path: &str) -> Result<Self, ConfigError> {
         let p = || path.to_string();
-        let model_type = hf
-            .model_type
-            .clone()
-            .ok_or(ConfigError::MissingField { path: p(), field: "model_type" })?;
+        let model_type = hf.model_type.clone().ok_or(ConfigError::MissingField { path: p(), field: "model_type" })?;
         let (family, c) = match model_type.as_str() {
             "qwen2" => (Family::Qwen2, hf),
             "qwen3" => (Family::Qwen3, hf),
             "qwen3_5_text" => (Family::Qwen35, hf),
             "qwen3_5" => {
-                let tc = hf
-                    .text_config
-                    .as_deref()
-                    .ok_or(ConfigError::MissingField { path: p(), field: "text_config" })?;
+                let tc =
+                    hf.text_config.as_deref().ok_or(ConfigError::MissingField { path: p(), field: "text_config" })?;
                 (Family::Qwen35, tc)
             }
             _ => return Err(ConfigError::UnsupportedModelType { path: p(), model_type }),
@@ -349,10 +341,8 @@ impl ModelConfig {
         {
             return Err(invalid("rope_parameters", format!("rope_type {t:?} is not supported")));
         }
-        let rope_theta = rp
-            .rope_theta
-            .or(c.rope_theta)
-            .ok_or(ConfigError::MissingField { path: p(), field: "rope_theta" })?;
+        let rope_theta =
+            rp.rope_theta.or(c.rope_theta).ok_or(ConfigError::MissingField { path: p(), field: "rope_theta" })?;
         if !(rope_theta.is_finite() && rope_theta > 1.0) {
             return Err(invalid("rope_theta", format!("{rope_theta} must be a finite number > 1")));
         }
@@ -386,9 +376,7 @@ impl ModelConfig {
             (None, Family::Qwen35) => {
                 let every = c.full_attention_interval.unwrap_or(4).max(1);
                 (0..num_layers)
-                    .map(|i| {
-                        if (i + 1) % every == 0 { LayerKind::FullAttention } else { LayerKind::LinearAttention }
-                    })
+                    .map(|i| if (i + 1) % every == 0 { LayerKind::FullAttention } else { LayerKind::LinearAttention })
                     .collect()
             }
             (Some(lt), _) => {
@@ -576,7 +564,12 @@ mod tests {
         assert_eq!(c.rotary_dim, 4);
         assert_eq!(
             c.layer_types,
-            vec![LayerKind::LinearAttention, LayerKind::LinearAttention, LayerKind::LinearAttention, LayerKind::FullAttention]
+            vec![
+                LayerKind::LinearAttention,
+                LayerKind::LinearAttention,
+                LayerKind::LinearAttention,
+                LayerKind::FullAttention
+            ]
         );
         assert_eq!(c.linear.unwrap().conv_dim(), 2 * 16 + 32);
         let q = c.layer_params(3).into_iter().find(|p| p.name == "self_attn.q_proj.weight").unwrap();

@@ -34,8 +34,11 @@ pub fn generate_greedy<B: Backend>(
     assert!(prompts.iter().all(|p| !p.is_empty()), "empty prompt");
     let t = prompts.iter().map(Vec::len).max().unwrap_or(0);
     let pads: Vec<usize> = prompts.iter().map(|p| t - p.len()).collect();
-    let ids: Vec<Vec<u32>> =
-        prompts.iter().zip(&pads).map(|(p, &n)| std::iter::repeat_n(0u32, n).chain(p.iter().copied()).collect()).collect();
+    let ids: Vec<Vec<u32>> = prompts
+        .iter()
+        .zip(&pads)
+        .map(|(p, &n)| std::iter::repeat_n(0u32, n).chain(p.iter().copied()).collect())
+        .collect();
     // Prefill context.
     let positions: Vec<Vec<usize>> = pads.iter().map(|&n| (0..t).map(|i| i.saturating_sub(n)).collect()).collect();
     let mut mask = Vec::with_capacity(b * t * t);

@@ -100,7 +100,12 @@ impl<B: AutodiffBackend> SeqCtx<B> {
 ///
 /// # Shapes
 /// - x: `[B, T, hidden]` -> `[B, T, hidden]`
-pub fn layer_forward<B: Backend>(cfg: &ModelConfig, w: &LayerWeights<B>, x: Tensor<B, 3>, ctx: &SeqCtx<B>) -> Tensor<B, 3> {
+pub fn layer_forward<B: Backend>(
+    cfg: &ModelConfig,
+    w: &LayerWeights<B>,
+    x: Tensor<B, 3>,
+    ctx: &SeqCtx<B>,
+) -> Tensor<B, 3> {
     layer_forward_cached(cfg, w, x, ctx, None)
 }
 

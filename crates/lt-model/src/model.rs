@@ -48,10 +48,19 @@ impl Batch {
         }
         for (row, ids) in self.input_ids.iter().enumerate() {
             if ids.len() != t {
-                return Err(bad(format!("sequence {row} has {} tokens, sequence 0 has {t} (equal lengths required)", ids.len())));
+                return Err(bad(format!(
+                    "sequence {row} has {} tokens, sequence 0 has {t} (equal lengths required)",
+                    ids.len()
+                )));
             }
             if let Some((col, &id)) = ids.iter().enumerate().find(|(_, id)| **id as usize >= vocab) {
-                return Err(ModelError::TokenOutOfRange { source_name: source_name.into(), row, col, id: id.into(), vocab });
+                return Err(ModelError::TokenOutOfRange {
+                    source_name: source_name.into(),
+                    row,
+                    col,
+                    id: id.into(),
+                    vocab,
+                });
             }
         }
         if self.labels.len() != b || self.labels.iter().any(|l| l.len() != t) {
@@ -64,7 +73,9 @@ impl Batch {
             }
         }
         for (row, l) in self.labels.iter().enumerate() {
-            if let Some((col, &id)) = l.iter().enumerate().find(|(_, v)| **v != IGNORE_INDEX && (**v < 0 || **v as usize >= vocab)) {
+            if let Some((col, &id)) =
+                l.iter().enumerate().find(|(_, v)| **v != IGNORE_INDEX && (**v < 0 || **v as usize >= vocab))
+            {
                 return Err(ModelError::TokenOutOfRange { source_name: source_name.into(), row, col, id, vocab });
             }
         }

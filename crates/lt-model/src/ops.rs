@@ -108,7 +108,12 @@ impl<B: Backend> Rope<B> {
 
 /// Attention mask `[B, 1, T, T]`: `true` where a query must NOT see a key (future tokens, or another
 /// packed sequence when `segments` is given).
-pub fn attention_mask<B: Backend>(b: usize, t: usize, segments: Option<&[Vec<u32>]>, device: &B::Device) -> Tensor<B, 4, Bool> {
+pub fn attention_mask<B: Backend>(
+    b: usize,
+    t: usize,
+    segments: Option<&[Vec<u32>]>,
+    device: &B::Device,
+) -> Tensor<B, 4, Bool> {
     let mut m = Vec::with_capacity(b * t * t);
     for row in 0..b {
         for i in 0..t {
@@ -137,7 +142,13 @@ pub fn repeat_kv<B: Backend>(x: Tensor<B, 4>, n_rep: usize) -> Tensor<B, 4> {
 ///
 /// # Shapes
 /// - q: `[B, H, Tq, D]`, k/v: `[B, H, Tk, D]`, mask: `[B, 1, Tq, Tk]` -> `[B, H, Tq, D]`
-pub fn sdpa<B: Backend>(q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>, mask: &Tensor<B, 4, Bool>, scale: f64) -> Tensor<B, 4> {
+pub fn sdpa<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    mask: &Tensor<B, 4, Bool>,
+    scale: f64,
+) -> Tensor<B, 4> {
     let [b, h, tq, _] = q.dims();
     let tk = k.dims()[2];
     let scores = q.matmul(k.swap_dims(2, 3)) * scale;
@@ -152,7 +163,11 @@ pub fn sdpa<B: Backend>(q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>, mask:
 ///
 /// # Shapes
 /// - x: `[B, T, C]`, w: `[C, 1, K]` -> `[B, T, C]`
-pub fn causal_conv_silu<B: Backend>(x: Tensor<B, 3>, w: &Tensor<B, 3>, lag_masks: Option<&[Tensor<B, 3>]>) -> Tensor<B, 3> {
+pub fn causal_conv_silu<B: Backend>(
+    x: Tensor<B, 3>,
+    w: &Tensor<B, 3>,
+    lag_masks: Option<&[Tensor<B, 3>]>,
+) -> Tensor<B, 3> {
     let [b, _, c] = x.dims();
     let k = w.dims()[2];
     let pad = Tensor::<B, 3>::zeros([b, k - 1, c], &x.device());
@@ -249,7 +264,12 @@ pub fn gated_delta_rule_with_state<B: Backend>(
 ///
 /// # Shapes
 /// - x, gate: `[..., dv]`, w: `[dv]` -> same as x
-pub fn gated_rms_norm<B: Backend, const D: usize>(x: Tensor<B, D>, gate: Tensor<B, D>, w: &Tensor<B, 1>, eps: f64) -> Tensor<B, D> {
+pub fn gated_rms_norm<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    gate: Tensor<B, D>,
+    w: &Tensor<B, 1>,
+    eps: f64,
+) -> Tensor<B, D> {
     rms_norm(x, w, eps, false) * silu(gate)
 }
 

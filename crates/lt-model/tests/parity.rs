@@ -76,7 +76,8 @@ fn loss_and_every_gradient_match_transformers() {
         assert_eq!(grads.len(), expected_grads, "{name}: every parameter has a gradient");
         let mut worst = 0f32;
         for (rel, g) in &grads {
-            let full = if rel.starts_with("layers.") { host.layer_param_name_full(rel) } else { host.outer_param_name(rel) };
+            let full =
+                if rel.starts_with("layers.") { host.layer_param_name_full(rel) } else { host.outer_param_name(rel) };
             let want = exp.read_f32(&format!("grad.{full}")).unwrap();
             let r = rel_to_max(g, &want);
             worst = worst.max(r);
