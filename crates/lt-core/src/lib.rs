@@ -15,6 +15,7 @@
 //! ```
 
 pub mod config;
+pub mod hardware;
 pub mod size;
 
 pub use config::{ConfigError, Family, LayerKind, LinearAttnConfig, ModelConfig, ParamSpec};

@@ -1,10 +1,517 @@
-//! `lt plan` (not implemented yet).
+//! `lt plan`: choose where each boundary activation lives, the micro-batching, the loss chunk and the
+//! optimizer overlap for a model on a machine, and predict the step time against the MegaTrain
+//! baseline, replayed in the same simulator.
+//!
+//! Every figure printed is a prediction of the cost model (`lt-sched`), never a measurement.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use clap::ValueEnum;
+use lt_core::ByteSize;
+use lt_core::ModelConfig;
+use lt_core::hardware::HardwareProfile;
+use lt_sched::cost::{AttentionKernel, CostOptions};
+use lt_sched::hardware::{HardwareSpec, load_profile};
+use lt_sched::planner::{self, Baseline, PlanOutcome, PlanRequest};
+use lt_sched::{OptimizerOverlap, Placement, Plan, SchedError};
 
 /// Arguments of `lt plan`.
 #[derive(Debug, clap::Args)]
-pub struct PlanArgs {}
+pub struct PlanArgs {
+    /// The model: a Hugging Face config.json, or a folder holding one.
+    #[arg(long, value_name = "CONFIG.json|MODEL_DIR")]
+    pub model_config: PathBuf,
+    /// Hardware profile: a built-in name (h800, rtx3090, h200, cpu) or a TOML file.
+    #[arg(long, value_name = "NAME|FILE.toml")]
+    pub hardware: String,
+    /// Sequences per optimizer step.
+    #[arg(long)]
+    pub batch_size: usize,
+    /// Tokens per sequence.
+    #[arg(long)]
+    pub seq_len: usize,
+    /// Also report the largest batch that fits in one micro-batch, for the plan and for MegaTrain
+    /// (predicted).
+    #[arg(long)]
+    pub max_batch: bool,
+    /// Print one JSON object as the last line of stdout.
+    #[arg(long)]
+    pub json: bool,
+    /// Write the plan file (JSON, version 1) that `lt train --plan` executes.
+    #[arg(long, value_name = "plan.json")]
+    pub out: Option<PathBuf>,
+    /// Write the predicted timeline of one step (Chrome trace JSON).
+    #[arg(long, value_name = "trace.json")]
+    pub trace: Option<PathBuf>,
+    /// Override the profile's GPU memory (80GB, 24GiB, ...).
+    #[arg(long, value_name = "SIZE")]
+    pub gpu_memory: Option<ByteSize>,
+    /// Override the profile's host memory.
+    #[arg(long, value_name = "SIZE")]
+    pub host_memory: Option<ByteSize>,
+    /// When the host optimizer runs; `auto` picks the fastest mode that keeps global-norm clipping
+    /// exact (add --no-grad-clip to allow `backward`).
+    #[arg(long, value_enum, default_value_t = OverlapArg::Auto)]
+    pub optimizer_overlap: OverlapArg,
+    /// Training runs without gradient clipping: lets `auto` overlap the optimizer with backward.
+    #[arg(long)]
+    pub no_grad_clip: bool,
+    /// Force the micro-batch size (must divide --batch-size); default: chosen by the planner.
+    #[arg(long)]
+    pub micro_batch_size: Option<usize>,
+    /// Force the loss chunk in tokens; default: chosen by the planner.
+    #[arg(long)]
+    pub loss_chunk_tokens: Option<usize>,
+    /// Attention kernel of the executor (changes attention FLOPs and memory).
+    #[arg(long, value_enum, default_value_t = AttentionArg::Flash)]
+    pub attention: AttentionArg,
+    /// Longest recomputed segment the planner considers.
+    #[arg(long, default_value_t = planner::DEFAULT_MAX_SEGMENT_LEN)]
+    pub max_segment_len: usize,
+}
+
+/// `--optimizer-overlap` choices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum OverlapArg {
+    /// Let the planner choose.
+    Auto,
+    /// After backward, then the next step (MegaTrain).
+    Serial,
+    /// Each layer as its gradient arrives in backward (inexact with global-norm clipping).
+    Backward,
+    /// In forward order while the next step's forward runs.
+    NextForward,
+}
+
+/// `--attention` choices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum AttentionArg {
+    /// Fused attention (flash): causal blocks skipped, scores never stored.
+    Flash,
+    /// Scores materialised, as Burn's autodiff does.
+    Materialized,
+}
+
+/// The validated request: flags turned into runtime objects.
+struct Setup {
+    model: ModelConfig,
+    model_name: String,
+    hw: HardwareProfile,
+    req: PlanRequest,
+}
+
+fn setup(args: &PlanArgs) -> Result<Setup> {
+    let model = ModelConfig::from_path(&args.model_config)?;
+    let spec: HardwareSpec = args.hardware.parse()?;
+    let mut hw = load_profile(&spec)?;
+    if let Some(g) = args.gpu_memory {
+        hw.gpu_memory = g;
+    }
+    if let Some(h) = args.host_memory {
+        hw.host_memory = h;
+    }
+    lt_sched::hardware::validate_profile(&hw).context("after --gpu-memory/--host-memory overrides")?;
+    let mut req = PlanRequest::new(args.batch_size, args.seq_len);
+    req.optimizer_overlap = match args.optimizer_overlap {
+        OverlapArg::Auto => None,
+        OverlapArg::Serial => Some(OptimizerOverlap::Serial),
+        OverlapArg::Backward => Some(OptimizerOverlap::OverlapBackward),
+        OverlapArg::NextForward => Some(OptimizerOverlap::OverlapNextForward),
+    };
+    req.grad_clipping = !args.no_grad_clip;
+    req.micro_batch_size = args.micro_batch_size;
+    req.loss_chunk_tokens = args.loss_chunk_tokens;
+    req.max_segment_len = args.max_segment_len;
+    req.trace = args.trace.is_some();
+    req.cost = CostOptions {
+        attention: match args.attention {
+            AttentionArg::Flash => AttentionKernel::Flash,
+            AttentionArg::Materialized => AttentionKernel::Materialized,
+        },
+    };
+    let model_name = model_name(&args.model_config);
+    Ok(Setup { model, model_name, hw, req })
+}
+
+fn model_name(path: &Path) -> String {
+    let p = if path.file_name().is_some_and(|n| n == "config.json") { path.parent().unwrap_or(path) } else { path };
+    p.file_stem().map_or_else(|| p.display().to_string(), |s| s.to_string_lossy().into_owned())
+}
 
 /// Run the command.
-pub fn run(_args: &PlanArgs) -> anyhow::Result<()> {
-    anyhow::bail!("`lt plan` is not implemented yet")
+pub fn run(args: &PlanArgs) -> Result<()> {
+    let started = Instant::now();
+    let s = setup(args)?;
+    let outcome = match planner::plan(&s.model, &s.hw, &s.req) {
+        Ok(o) => o,
+        Err(e) => {
+            if args.json {
+                println!("{}", infeasible_json(&e));
+            }
+            return Err(e.into());
+        }
+    };
+    let mut baselines = Vec::new();
+    for b in Baseline::ALL {
+        baselines.push((b, planner::baseline(&s.model, &s.hw, &s.req, b)?.map(|(p, _)| p)));
+    }
+    let max_batch = if args.max_batch {
+        Some((
+            planner::max_batch(&s.model, &s.hw, &s.req, None)?,
+            planner::max_batch(&s.model, &s.hw, &s.req, Some(Baseline::Megatrain))?,
+        ))
+    } else {
+        None
+    };
+    if let Some(path) = &args.out {
+        outcome.plan.save(path)?;
+    }
+    if let Some(path) = &args.trace {
+        let text = serde_json::to_string(&outcome.sim.trace)?;
+        std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
+    }
+    print_text(&s, &outcome, &baselines, max_batch, args);
+    if args.json {
+        let total = started.elapsed().as_secs_f64();
+        println!("{}", summary_json(&s, &outcome, &baselines, max_batch, total));
+    }
+    Ok(())
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+fn tier_name(p: Placement) -> &'static str {
+    match p {
+        Placement::Gpu => "gpu",
+        Placement::Host => "host",
+        Placement::Nvme => "nvme",
+        Placement::Recompute => "recompute",
+    }
+}
+
+fn overlap_name(o: OptimizerOverlap) -> &'static str {
+    match o {
+        OptimizerOverlap::Serial => "serial after backward",
+        OptimizerOverlap::OverlapBackward => "overlapped with backward",
+        OptimizerOverlap::OverlapNextForward => "overlapped with the next step's forward",
+    }
+}
+
+fn print_text(
+    s: &Setup,
+    o: &PlanOutcome,
+    baselines: &[(Baseline, Option<Plan>)],
+    max_batch: Option<(Option<usize>, Option<usize>)>,
+    args: &PlanArgs,
+) {
+    let p = &o.plan;
+    let sv = &p.solver;
+    println!(
+        "lt plan: {} ({:.2}B params, {} layers) on {} — batch {} x seq {}",
+        s.model_name,
+        s.model.total_params() as f64 / 1e9,
+        s.model.num_layers(),
+        s.hw.name,
+        p.batch_size,
+        p.seq_len
+    );
+    println!(
+        "solver: {:?}{}, {} step shapes evaluated, {:.3} s",
+        sv.method,
+        sv.mip_gap.map_or(String::new(), |g| format!(" (gap {g:.1e})")),
+        o.shapes_evaluated,
+        sv.solve_seconds
+    );
+    for w in &sv.warnings {
+        println!("warning: {w}");
+    }
+    println!(
+        "step shape: micro-batch {} x {} accumulation, loss chunk {} tokens, optimizer {}",
+        p.micro_batch_size,
+        p.grad_accum_steps,
+        p.loss_chunk_tokens,
+        overlap_name(p.optimizer_overlap)
+    );
+    println!();
+    println!("per layer (times predicted, one micro-batch):");
+    println!(
+        "{:>5}  {:<7}  {:<10}  {:<10}  {:>10}  {:>10}",
+        "layer", "kind", "input in", "recomputed", "fwd ms", "bwd ms"
+    );
+    let rec = lt_sched::plan::recomputed_layers(&p.boundaries);
+    for (i, l) in o.instance.layers.iter().enumerate() {
+        let kind = match l.kind {
+            lt_core::LayerKind::FullAttention => "full",
+            lt_core::LayerKind::LinearAttention => "linear",
+        };
+        println!(
+            "{:>5}  {:<7}  {:<10}  {:<10}  {:>10.2}  {:>10.2}",
+            i,
+            kind,
+            tier_name(p.boundaries[i]),
+            if rec[i] { "yes" } else { "no" },
+            l.fwd_seconds * 1e3,
+            l.bwd_seconds * 1e3
+        );
+    }
+    println!("{:>5}  {:<7}  {:<10}", "head", "", tier_name(p.boundaries[p.boundaries.len() - 1]));
+    let kept = |t: Placement| p.boundaries.iter().filter(|&&b| b == t).count();
+    println!(
+        "boundaries: {} on GPU, {} in host memory, {} on NVMe, {} recomputed",
+        kept(Placement::Gpu),
+        kept(Placement::Host),
+        kept(Placement::Nvme),
+        kept(Placement::Recompute)
+    );
+    println!();
+
+    let mut cols: Vec<(&str, Option<&Plan>)> = vec![("lazytrain", Some(p))];
+    for (b, bp) in baselines {
+        cols.push((b.name(), bp.as_ref()));
+    }
+    print!("{:<36}", "predicted (cost model, not measured)");
+    for (name, _) in &cols {
+        print!("{name:>15}");
+    }
+    println!();
+    let mt_step = baselines
+        .iter()
+        .find(|(b, _)| *b == Baseline::Megatrain)
+        .and_then(|(_, p)| p.as_ref())
+        .map(|p| p.predicted.step_seconds);
+    type Row<'a> = (&'a str, Box<dyn Fn(&Plan) -> String>);
+    let rows: Vec<Row<'_>> = vec![
+        ("step seconds (predicted)", Box::new(|q: &Plan| format!("{:.3}", q.predicted.step_seconds))),
+        ("tokens/s (predicted)", Box::new(|q: &Plan| format!("{:.0}", q.predicted.tokens_per_second))),
+        ("TFLOPS, 6*params*tokens (predicted)", Box::new(|q: &Plan| format!("{:.1}", q.predicted.tflops))),
+        ("TFLOPS, executed (predicted)", Box::new(|q: &Plan| format!("{:.1}", q.predicted.hardware_tflops))),
+        (
+            "speedup vs megatrain (predicted)",
+            Box::new(move |q: &Plan| mt_step.map_or("-".into(), |m| format!("{:.3}x", m / q.predicted.step_seconds))),
+        ),
+        ("peak GPU GiB (predicted)", Box::new(|q: &Plan| format!("{:.2}", q.predicted.peak_gpu_bytes as f64 / GIB))),
+        ("peak host GiB (predicted)", Box::new(|q: &Plan| format!("{:.2}", q.predicted.peak_host_bytes as f64 / GIB))),
+        ("peak NVMe GiB (predicted)", Box::new(|q: &Plan| format!("{:.2}", q.predicted.peak_nvme_bytes as f64 / GIB))),
+        ("exposed H2D s (predicted)", Box::new(|q: &Plan| format!("{:.3}", q.predicted.exposed_seconds.h2d))),
+        ("exposed D2H s (predicted)", Box::new(|q: &Plan| format!("{:.3}", q.predicted.exposed_seconds.d2h))),
+        ("exposed NVMe s (predicted)", Box::new(|q: &Plan| format!("{:.3}", q.predicted.exposed_seconds.nvme))),
+        ("exposed optimizer s (predicted)", Box::new(|q: &Plan| format!("{:.3}", q.predicted.exposed_seconds.cpu))),
+        ("micro-batch x accumulation", Box::new(|q: &Plan| format!("{}x{}", q.micro_batch_size, q.grad_accum_steps))),
+    ];
+    for (label, f) in &rows {
+        print!("{label:<36}");
+        for (_, q) in &cols {
+            print!("{:>15}", q.map_or("does not fit".into(), f));
+        }
+        println!();
+    }
+    if let Some((ours, theirs)) = max_batch {
+        let show = |b: Option<usize>| b.map_or("none fits".to_string(), |b| b.to_string());
+        println!();
+        println!("largest batch in one micro-batch (predicted): lazytrain {}, megatrain {}", show(ours), show(theirs));
+    }
+    if let Some(path) = &args.out {
+        println!("plan written to {}", path.display());
+    }
+    if let Some(path) = &args.trace {
+        println!("predicted timeline written to {} (chrome://tracing, Perfetto)", path.display());
+    }
+}
+
+fn summary_json(
+    s: &Setup,
+    o: &PlanOutcome,
+    baselines: &[(Baseline, Option<Plan>)],
+    max_batch: Option<(Option<usize>, Option<usize>)>,
+    total_seconds: f64,
+) -> serde_json::Value {
+    let p = &o.plan;
+    let pr = &p.predicted;
+    let base = |b: Baseline| baselines.iter().find(|(x, _)| *x == b).and_then(|(_, p)| p.as_ref());
+    let mt = base(Baseline::Megatrain);
+    let rec = lt_sched::plan::recomputed_layers(&p.boundaries);
+    let layers: Vec<serde_json::Value> = o
+        .instance
+        .layers
+        .iter()
+        .enumerate()
+        .map(|(i, l)| {
+            serde_json::json!({
+                "index": i,
+                "kind": l.kind,
+                "input": tier_name(p.boundaries[i]),
+                "recomputed": rec[i],
+                "predicted_fwd_seconds": l.fwd_seconds,
+                "predicted_bwd_seconds": l.bwd_seconds,
+            })
+        })
+        .collect();
+    let baseline_summary = |q: Option<&Plan>| {
+        q.map(|q| {
+            serde_json::json!({
+                "predicted_step_seconds": q.predicted.step_seconds,
+                "tflops": q.predicted.tflops,
+                "hardware_tflops": q.predicted.hardware_tflops,
+                "peak_gpu_bytes": q.predicted.peak_gpu_bytes,
+                "peak_host_bytes": q.predicted.peak_host_bytes,
+                "micro_batch_size": q.micro_batch_size,
+                "grad_accum_steps": q.grad_accum_steps,
+            })
+        })
+    };
+    let mut v = serde_json::json!({
+        "feasible": true,
+        "predicted": true,
+        "model": s.model_name,
+        "hardware": s.hw.name,
+        "batch_size": p.batch_size,
+        "seq_len": p.seq_len,
+        "solve_seconds": p.solver.solve_seconds,
+        "total_seconds": total_seconds,
+        "solver_method": p.solver.method,
+        "mip_gap": p.solver.mip_gap,
+        "warnings": p.solver.warnings,
+        "predicted_step_seconds": pr.step_seconds,
+        "model_step_seconds": pr.model_step_seconds,
+        "baseline_step_seconds": mt.map(|q| q.predicted.step_seconds),
+        "speedup": mt.map(|q| q.predicted.step_seconds / pr.step_seconds),
+        "tokens_per_second": pr.tokens_per_second,
+        "tflops": pr.tflops,
+        "hardware_tflops": pr.hardware_tflops,
+        "baseline_tflops": mt.map(|q| q.predicted.tflops),
+        "peak_gpu_bytes": pr.peak_gpu_bytes,
+        "peak_host_bytes": pr.peak_host_bytes,
+        "peak_nvme_bytes": pr.peak_nvme_bytes,
+        "exposed_seconds": pr.exposed_seconds,
+        "micro_batch_size": p.micro_batch_size,
+        "grad_accum_steps": p.grad_accum_steps,
+        "loss_chunk_tokens": p.loss_chunk_tokens,
+        "optimizer_overlap": p.optimizer_overlap,
+        "layers": layers,
+        "baselines": {
+            "megatrain": baseline_summary(mt),
+            "keep-all": baseline_summary(base(Baseline::KeepAll)),
+            "recompute-all": baseline_summary(base(Baseline::RecomputeAll)),
+        },
+    });
+    if let (Some((ours, theirs)), Some(obj)) = (max_batch, v.as_object_mut()) {
+        obj.insert("max_batch_size".into(), serde_json::json!(ours));
+        obj.insert("baseline_max_batch_size".into(), serde_json::json!(theirs));
+    }
+    v
+}
+
+fn infeasible_json(e: &SchedError) -> serde_json::Value {
+    match e {
+        SchedError::Infeasible { min_gpu_memory, min_host_memory, .. } => serde_json::json!({
+            "feasible": false,
+            "predicted": true,
+            "error": e.to_string(),
+            "min_gpu_memory_bytes": min_gpu_memory,
+            "min_host_memory_bytes": min_host_memory,
+        }),
+        _ => serde_json::json!({ "feasible": false, "error": e.to_string() }),
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: PlanArgs,
+    }
+
+    fn config_path(name: &str) -> String {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/models").join(name).display().to_string()
+    }
+
+    #[test]
+    fn flags_parse_into_a_request() {
+        let cli = Cli::try_parse_from([
+            "lt",
+            "--model-config",
+            &config_path("qwen2.5-3b.json"),
+            "--hardware",
+            "rtx3090",
+            "--batch-size",
+            "8",
+            "--seq-len",
+            "512",
+            "--gpu-memory",
+            "12GiB",
+            "--optimizer-overlap",
+            "next-forward",
+        ])
+        .unwrap();
+        let s = setup(&cli.args).unwrap();
+        assert_eq!(s.hw.gpu_memory, ByteSize::gib(12));
+        assert_eq!(s.req.optimizer_overlap, Some(OptimizerOverlap::OverlapNextForward));
+        assert_eq!(s.model_name, "qwen2.5-3b");
+    }
+
+    #[test]
+    fn unknown_hardware_is_refused_with_the_choices() {
+        let cli = Cli::try_parse_from([
+            "lt",
+            "--model-config",
+            &config_path("qwen2.5-3b.json"),
+            "--hardware",
+            "a100",
+            "--batch-size",
+            "8",
+            "--seq-len",
+            "512",
+        ])
+        .unwrap();
+        let e = setup(&cli.args).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("h800, rtx3090, h200, cpu"), "{e}");
+    }
+
+    #[test]
+    fn json_summary_has_the_documented_fields() {
+        let cli = Cli::try_parse_from([
+            "lt",
+            "--model-config",
+            &config_path("qwen2.5-3b.json"),
+            "--hardware",
+            "h800",
+            "--batch-size",
+            "4",
+            "--seq-len",
+            "256",
+        ])
+        .unwrap();
+        let s = setup(&cli.args).unwrap();
+        let o = planner::plan(&s.model, &s.hw, &s.req).unwrap();
+        let b: Vec<_> = Baseline::ALL
+            .into_iter()
+            .map(|b| (b, planner::baseline(&s.model, &s.hw, &s.req, b).unwrap().map(|(p, _)| p)))
+            .collect();
+        let v = summary_json(&s, &o, &b, Some((Some(10), Some(5))), 0.1);
+        for f in [
+            "feasible",
+            "solve_seconds",
+            "predicted_step_seconds",
+            "baseline_step_seconds",
+            "peak_gpu_bytes",
+            "peak_host_bytes",
+            "tflops",
+            "baseline_tflops",
+            "layers",
+            "max_batch_size",
+            "baseline_max_batch_size",
+        ] {
+            assert!(v.get(f).is_some_and(|x| !x.is_null()), "missing {f}");
+        }
+        assert_eq!(v["layers"].as_array().map(Vec::len), Some(36));
+        // One line of JSON.
+        assert!(!v.to_string().contains('\n'));
+    }
 }
