@@ -6,12 +6,14 @@
 use clap::{Parser, Subcommand};
 
 mod cmd;
+mod evaluate;
 mod fsutil;
 mod progress;
+mod spill;
 
 /// LazyTrain-rs: fine-tune Qwen models larger than your GPU by streaming layers from host memory.
 #[derive(Debug, Parser)]
-#[command(name = "lt", version, about, long_about = None)]
+#[command(name = "lt", version, long_about = None)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -19,6 +21,10 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Fine-tune a model with layer streaming; with no arguments, train the built-in demo.
+    Train(Box<cmd::train::TrainArgs>),
+    /// Exact-match accuracy on a MetaMathQA-style dataset (greedy decoding).
+    Eval(cmd::eval::EvalArgs),
     /// Compute logits of a model for token sequences (a parity-check entry point).
     Logits(cmd::logits::LogitsArgs),
     /// Plan activation placement for a model, batch and hardware, and predict step time.
@@ -39,6 +45,8 @@ enum BenchCommand {
 fn main() {
     let cli = Cli::parse();
     let result = match &cli.command {
+        Command::Train(a) => cmd::train::run(a),
+        Command::Eval(a) => cmd::eval::run(a),
         Command::Logits(a) => cmd::logits::run(a),
         Command::Plan(a) => cmd::plan::run(a),
         Command::Bench(BenchCommand::Optimizer(a)) => cmd::bench_optimizer::run(a),

@@ -53,7 +53,15 @@ fn expect_one_line_error(model: &Path, tokens: &Path, needles: &[&str]) {
     let out = tempfile::tempdir().unwrap();
     let target = out.path().join("logits.safetensors");
     std::fs::write(&target, b"previous result").unwrap();
-    let st = lt().args(["logits", "--model"]).arg(model).arg("--tokens").arg(tokens).arg("--out").arg(&target).output().unwrap();
+    let st = lt()
+        .args(["logits", "--model"])
+        .arg(model)
+        .arg("--tokens")
+        .arg(tokens)
+        .arg("--out")
+        .arg(&target)
+        .output()
+        .unwrap();
     let err = String::from_utf8_lossy(&st.stderr);
     assert!(!st.status.success(), "expected failure, got success");
     assert_eq!(err.trim_end().lines().count(), 1, "one line expected, got:\n{err}");

@@ -10,7 +10,9 @@ use lt_model::weights::DeviceModel;
 
 /// Arguments of `lt logits`.
 #[derive(Debug, clap::Args)]
-#[command(after_help = "Example:\n  lt logits --model tools/fixtures/models/qwen3-tied-mqa \\\n    --tokens tools/fixtures/models/qwen3-tied-mqa/tokens.jsonl --out /tmp/logits.safetensors")]
+#[command(
+    after_help = "Example:\n  lt logits --model tools/fixtures/models/qwen3-tied-mqa \\\n    --tokens tools/fixtures/models/qwen3-tied-mqa/tokens.jsonl --out /tmp/logits.safetensors"
+)]
 pub struct LogitsArgs {
     /// Model folder: config.json plus model.safetensors (or sharded with model.safetensors.index.json).
     #[arg(long, value_name = "DIR")]

@@ -1,0 +1,97 @@
+//! `lt eval`: exact-match accuracy of a model on a MetaMathQA-style dataset.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use lt_data::{DatasetFile, DatasetFormat, PrepareOptions, prepare};
+use lt_model::host::HostModel;
+use lt_model::weights::DeviceModel;
+
+use crate::evaluate::{encoder_for, evaluate};
+
+/// Arguments of `lt eval`.
+#[derive(Debug, clap::Args)]
+#[command(after_help = "Greedy-decodes an answer for every question, extracts the text after \
+`The answer is:` and compares it with the reference: numerically for GSM-type records, as normalised \
+strings for MATH-type ones. Prints accuracy per `type` and overall.")]
+pub struct EvalArgs {
+    /// Model folder (config.json, safetensors, tokenizer files).
+    #[arg(long, value_name = "DIR")]
+    pub model: PathBuf,
+    /// Dataset: a JSON array or JSONL of MetaMathQA records (or Alpaca / messages with answers).
+    #[arg(long, value_name = "FILE")]
+    pub data: PathBuf,
+    /// Force the dataset format instead of detecting it.
+    #[arg(long, value_enum, default_value_t = DatasetFormat::Auto)]
+    pub format: DatasetFormat,
+    /// Evaluate only the first N questions.
+    #[arg(long)]
+    pub limit: Option<usize>,
+    /// Longest generation per question, in tokens.
+    #[arg(long, default_value_t = 256)]
+    pub max_new_tokens: usize,
+    /// Questions decoded together.
+    #[arg(long, default_value_t = 16)]
+    pub batch_size: usize,
+    /// Longest prompt in tokens (longer prompts are cut and counted).
+    #[arg(long, default_value_t = 2048)]
+    pub seq_len: usize,
+    /// Per-example predictions (JSONL); default: predictions.jsonl next to the model.
+    #[arg(long, value_name = "FILE.jsonl")]
+    pub predictions: Option<PathBuf>,
+    /// Count and skip malformed records instead of stopping at the first.
+    #[arg(long)]
+    pub skip_bad_records: bool,
+    /// Print one JSON object as the last line.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Run the command.
+pub fn run(args: &EvalArgs) -> Result<()> {
+    let host = HostModel::load(&args.model)?;
+    let encoder = encoder_for(&args.model)?;
+    let file = DatasetFile::open(&args.data, args.format)?;
+    // Everything is evaluation data: eval_fraction 1 would hold out every group.
+    let opts = PrepareOptions {
+        seq_len: args.seq_len,
+        eval_fraction: 1.0,
+        skip_bad_records: args.skip_bad_records,
+        max_eval_examples: args.limit,
+        ..Default::default()
+    };
+    let data = prepare(&file, &encoder, &opts)?;
+    let examples = data.eval_examples;
+    anyhow::ensure!(!examples.is_empty(), "{}: no question with a reference answer", args.data.display());
+    let model = DeviceModel::<lt_model::CpuBackend>::from_host(&host, &Default::default());
+    let pb = crate::progress::bar(examples.len() as u64, "eval");
+    let (acc, preds) = evaluate(
+        &model,
+        encoder.tokenizer(),
+        encoder.stop_token_id(),
+        &examples,
+        args.max_new_tokens,
+        args.batch_size,
+        |n| pb.inc(n as u64),
+    )?;
+    pb.finish_and_clear();
+    let pred_path = args.predictions.clone().unwrap_or_else(|| args.model.join("predictions.jsonl"));
+    let mut out = Vec::new();
+    for p in &preds {
+        serde_json::to_writer(&mut out, p)?;
+        out.push(b'\n');
+    }
+    crate::fsutil::write_atomic(&pred_path, &out)?;
+    println!("exact match: {}", acc.summary());
+    println!("predictions: {}", pred_path.display());
+    if args.json {
+        let line = serde_json::json!({
+            "accuracy": acc.rate(), "correct": acc.overall.correct, "total": acc.overall.total,
+            "by_type": acc.by_type, "predictions": pred_path,
+        });
+        let mut stdout = std::io::stdout();
+        writeln!(stdout, "{line}").context("writing to stdout")?;
+    }
+    Ok(())
+}

@@ -1,0 +1,83 @@
+//! Exact-match evaluation shared by `lt eval` and `lt train --eval-every`.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use burn::tensor::backend::Backend;
+use lt_data::{Accuracy, ChatEncoder, EvalExample, Tokenizer, TokenizerKind};
+use lt_model::generate::generate_greedy;
+use lt_model::weights::DeviceModel;
+use serde::Serialize;
+
+/// Marker file written into exported models trained with the byte tokenizer (they have no
+/// `tokenizer.json`), so `lt eval` knows how to tokenize for them.
+pub const BYTE_TOKENIZER_MARKER: &str = "lt_tokenizer.json";
+
+/// The tokenizer and chat template of a model folder: `tokenizer.json` if present, else the byte
+/// tokenizer when the folder carries the marker.
+pub fn encoder_for(model_dir: &Path) -> Result<ChatEncoder> {
+    let kind = if model_dir.join("tokenizer.json").exists() {
+        TokenizerKind::Hf
+    } else if model_dir.join(BYTE_TOKENIZER_MARKER).exists() {
+        TokenizerKind::Byte
+    } else {
+        anyhow::bail!(
+            "{}: no tokenizer.json (and no {BYTE_TOKENIZER_MARKER} marker): cannot tokenize text for this model",
+            model_dir.display()
+        );
+    };
+    let (tok, template) = lt_data::tokenizer::load(kind, Some(model_dir))
+        .with_context(|| format!("{}: loading the tokenizer", model_dir.display()))?;
+    Ok(ChatEncoder::new(tok, template))
+}
+
+/// One scored prediction (a line of predictions.jsonl).
+#[derive(Debug, Clone, Serialize)]
+pub struct Prediction {
+    /// The question.
+    pub query: String,
+    /// Record type.
+    pub kind: String,
+    /// Reference answer.
+    pub answer: String,
+    /// Generated text.
+    pub generated: String,
+    /// Extracted answer, if any.
+    pub extracted: Option<String>,
+    /// Exact match.
+    pub correct: bool,
+}
+
+/// Greedy-generate for every example (in batches) and score it.
+pub fn evaluate<B: Backend>(
+    model: &DeviceModel<B>,
+    tokenizer: &Arc<dyn Tokenizer>,
+    stop: Option<u32>,
+    examples: &[EvalExample],
+    max_new_tokens: usize,
+    batch_size: usize,
+    mut progress: impl FnMut(usize),
+) -> Result<(Accuracy, Vec<Prediction>)> {
+    let mut acc = Accuracy::new();
+    let mut preds = Vec::with_capacity(examples.len());
+    let stops: Vec<u32> = stop.into_iter().collect();
+    for chunk in examples.chunks(batch_size.max(1)) {
+        let prompts: Vec<Vec<u32>> = chunk.iter().map(|e| e.prompt_ids.clone()).collect();
+        let outs = generate_greedy(model, &prompts, max_new_tokens, &stops);
+        for (ex, out) in chunk.iter().zip(outs) {
+            let text = tokenizer.decode(&out, true).context("decoding a generation")?;
+            let correct = acc.score_and_record(&text, ex);
+            preds.push(Prediction {
+                query: ex.query.clone(),
+                kind: ex.kind.clone(),
+                answer: ex.answer.clone(),
+                extracted: lt_data::extract_answer(&text).map(str::to_string),
+                generated: text,
+                correct,
+            });
+        }
+        progress(chunk.len());
+    }
+    Ok((acc, preds))
+}
