@@ -16,6 +16,7 @@
 
 pub mod config;
 pub mod hardware;
+pub mod hash;
 pub mod size;
 
 pub use config::{ConfigError, Family, LayerKind, LinearAttnConfig, ModelConfig, ParamSpec};

@@ -23,6 +23,8 @@
 
 use std::io::{Read, Write};
 
+use lt_core::hash::Xxh64;
+
 use crate::config::{AdamWConfig, OptimizerKind, Quant8Config};
 use crate::error::{OptimError, Result};
 use crate::optimizer::{AdamW, Moments, ParamGroup, Q8State, TensorState};
@@ -86,7 +88,7 @@ impl AdamW {
                 }
             }
         }
-        let sum = w.hash.finish();
+        let sum = w.hash.digest();
         w.inner.write_all(&sum.to_le_bytes())?;
         w.inner.flush()?;
         Ok(())
@@ -157,7 +159,7 @@ impl AdamW {
             }
             groups.push(ParamGroup { name, tensors });
         }
-        let computed = r.hash.finish();
+        let computed = r.hash.digest();
         let mut stored = [0u8; 8];
         r.inner.read_exact(&mut stored)?;
         let stored = u64::from_le_bytes(stored);
@@ -315,116 +317,6 @@ fn try_alloc<T>(n: usize) -> Result<Vec<T>> {
     Ok(v)
 }
 
-/// Streaming XXH64 (Yann Collet's xxHash, 64-bit variant).
-pub(crate) struct Xxh64 {
-    acc: [u64; 4],
-    buf: [u8; 32],
-    buf_len: usize,
-    total: u64,
-    seed: u64,
-}
-
-const P1: u64 = 0x9E37_79B1_85EB_CA87;
-const P2: u64 = 0xC2B2_AE3D_27D4_EB4F;
-const P3: u64 = 0x1656_67B1_9E37_79F9;
-const P4: u64 = 0x85EB_CA77_C2B2_AE63;
-const P5: u64 = 0x27D4_EB2F_1656_67C5;
-
-#[inline(always)]
-fn xround(acc: u64, lane: u64) -> u64 {
-    acc.wrapping_add(lane.wrapping_mul(P2)).rotate_left(31).wrapping_mul(P1)
-}
-
-#[inline(always)]
-fn xmerge(h: u64, acc: u64) -> u64 {
-    (h ^ xround(0, acc)).wrapping_mul(P1).wrapping_add(P4)
-}
-
-#[inline(always)]
-fn le64(b: &[u8]) -> u64 {
-    let mut a = [0u8; 8];
-    a.copy_from_slice(&b[..8]);
-    u64::from_le_bytes(a)
-}
-
-impl Xxh64 {
-    pub(crate) fn new(seed: u64) -> Xxh64 {
-        Xxh64 {
-            acc: [seed.wrapping_add(P1).wrapping_add(P2), seed.wrapping_add(P2), seed, seed.wrapping_sub(P1)],
-            buf: [0; 32],
-            buf_len: 0,
-            total: 0,
-            seed,
-        }
-    }
-
-    #[inline(always)]
-    fn stripe(acc: &mut [u64; 4], s: &[u8]) {
-        for (k, a) in acc.iter_mut().enumerate() {
-            *a = xround(*a, le64(&s[8 * k..]));
-        }
-    }
-
-    pub(crate) fn update(&mut self, mut data: &[u8]) {
-        self.total += data.len() as u64;
-        if self.buf_len > 0 {
-            let take = (32 - self.buf_len).min(data.len());
-            self.buf[self.buf_len..self.buf_len + take].copy_from_slice(&data[..take]);
-            self.buf_len += take;
-            data = &data[take..];
-            if self.buf_len < 32 {
-                return;
-            }
-            let buf = self.buf;
-            Self::stripe(&mut self.acc, &buf);
-            self.buf_len = 0;
-        }
-        let mut it = data.chunks_exact(32);
-        for s in &mut it {
-            Self::stripe(&mut self.acc, s);
-        }
-        let rest = it.remainder();
-        self.buf[..rest.len()].copy_from_slice(rest);
-        self.buf_len = rest.len();
-    }
-
-    pub(crate) fn finish(&self) -> u64 {
-        let [v1, v2, v3, v4] = self.acc;
-        let mut h = if self.total >= 32 {
-            let h = v1
-                .rotate_left(1)
-                .wrapping_add(v2.rotate_left(7))
-                .wrapping_add(v3.rotate_left(12))
-                .wrapping_add(v4.rotate_left(18));
-            xmerge(xmerge(xmerge(xmerge(h, v1), v2), v3), v4)
-        } else {
-            self.seed.wrapping_add(P5)
-        };
-        h = h.wrapping_add(self.total);
-        let mut rest = &self.buf[..self.buf_len];
-        while rest.len() >= 8 {
-            h ^= xround(0, le64(rest));
-            h = h.rotate_left(27).wrapping_mul(P1).wrapping_add(P4);
-            rest = &rest[8..];
-        }
-        if rest.len() >= 4 {
-            let w = u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]]) as u64;
-            h ^= w.wrapping_mul(P1);
-            h = h.rotate_left(23).wrapping_mul(P2).wrapping_add(P3);
-            rest = &rest[4..];
-        }
-        for &b in rest {
-            h ^= (b as u64).wrapping_mul(P5);
-            h = h.rotate_left(11).wrapping_mul(P1);
-        }
-        h ^= h >> 33;
-        h = h.wrapping_mul(P2);
-        h ^= h >> 29;
-        h = h.wrapping_mul(P3);
-        h ^ (h >> 32)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -432,33 +324,6 @@ mod tests {
     use crate::optimizer::StepOutcome;
     use crate::pool::ThreadPool;
     use crate::testutil::SplitMix64;
-
-    fn xxh64(data: &[u8]) -> u64 {
-        let mut h = Xxh64::new(0);
-        h.update(data);
-        h.finish()
-    }
-
-    /// Reference values from the `xxhash` Python package (python-xxhash 4.1.0, `xxh64_intdigest(data, 0)`).
-    #[test]
-    fn xxh64_matches_reference_vectors_and_streams() {
-        assert_eq!(xxh64(b""), 0xEF46_DB37_51D8_E999);
-        assert_eq!(xxh64(b"a"), XXH64_A);
-        assert_eq!(xxh64(b"abc"), XXH64_ABC);
-        let long: Vec<u8> = (0..1000u32).map(|i| (i * 7 + 3) as u8).collect();
-        assert_eq!(xxh64(&long), XXH64_LONG);
-        // Split anywhere: same digest.
-        for cut in [0, 1, 31, 32, 33, 500, 999, 1000] {
-            let mut h = Xxh64::new(0);
-            h.update(&long[..cut]);
-            h.update(&long[cut..]);
-            assert_eq!(h.finish(), XXH64_LONG, "cut {cut}");
-        }
-    }
-
-    const XXH64_A: u64 = 0xD24E_C4F1_A98C_6E5B;
-    const XXH64_ABC: u64 = 0x44BC_2CF5_AD77_0999;
-    const XXH64_LONG: u64 = 0x5F23_5FA0_33F1_A3FB;
 
     fn trained(kind: OptimizerKind) -> AdamW {
         let pool = ThreadPool::new(1).unwrap();

@@ -56,7 +56,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use serde::{Deserialize, Serialize};
 
 use crate::error::StorageError;
-use crate::hash::{Xxh64, xxh64};
+use lt_core::hash::{Xxh64, xxh64};
 
 /// Name of the manifest file.
 pub const MANIFEST: &str = "manifest.json";

@@ -13,8 +13,9 @@
 
 pub mod checkpoint;
 pub mod error;
+/// XXH64 lives in lt-core so lt-optim can checksum its state with the same code.
+pub use lt_core::hash;
 pub mod export;
-pub mod hash;
 pub mod safetensors_io;
 pub mod spill;
 #[cfg(test)]

@@ -1,11 +1,11 @@
-//! XXH64, the 64-bit xxHash, used to checksum checkpoint files.
+//! XXH64, the 64-bit xxHash, used to checksum checkpoint files and optimizer state.
 //!
 //! Implemented here (about 100 lines) rather than pulled in as a dependency. XXH64 runs at memory
 //! speed on one core, so verifying a 100 GB checkpoint costs the read, not the hash; it is a
 //! checksum against torn writes and bit rot, not a defence against an adversary.
 //!
 //! ```
-//! use lt_storage::hash::{xxh64, Xxh64};
+//! use lt_core::hash::{xxh64, Xxh64};
 //! let mut h = Xxh64::new(0);
 //! h.update(b"Nobody inspects");
 //! h.update(b" the spammish repetition");
@@ -148,6 +148,33 @@ impl Xxh64 {
 #[allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
 mod tests {
     use super::*;
+
+    fn xxh64_0(data: &[u8]) -> u64 {
+        let mut h = Xxh64::new(0);
+        h.update(data);
+        h.digest()
+    }
+
+    /// Reference values from the `xxhash` Python package (python-xxhash 4.1.0, `xxh64_intdigest(data, 0)`).
+    #[test]
+    fn python_xxhash_vectors_and_streaming() {
+        assert_eq!(xxh64_0(b""), 0xEF46_DB37_51D8_E999);
+        assert_eq!(xxh64_0(b"a"), XXH64_A);
+        assert_eq!(xxh64_0(b"abc"), XXH64_ABC);
+        let long: Vec<u8> = (0..1000u32).map(|i| (i * 7 + 3) as u8).collect();
+        assert_eq!(xxh64_0(&long), XXH64_LONG);
+        // Split anywhere: same digest.
+        for cut in [0, 1, 31, 32, 33, 500, 999, 1000] {
+            let mut h = Xxh64::new(0);
+            h.update(&long[..cut]);
+            h.update(&long[cut..]);
+            assert_eq!(h.digest(), XXH64_LONG, "cut {cut}");
+        }
+    }
+
+    const XXH64_A: u64 = 0xD24E_C4F1_A98C_6E5B;
+    const XXH64_ABC: u64 = 0x44BC_2CF5_AD77_0999;
+    const XXH64_LONG: u64 = 0x5F23_5FA0_33F1_A3FB;
 
     #[test]
     fn matches_published_xxh64_vectors() {
