@@ -83,6 +83,21 @@ impl ExecPlan {
         Ok(())
     }
 
+    /// The executor's view of a planner's plan (lt-sched): the same boundary placements and loss chunk.
+    pub fn from_sched(p: &lt_sched::plan::Plan) -> Self {
+        let boundaries = p
+            .boundaries
+            .iter()
+            .map(|b| match b {
+                lt_sched::plan::Placement::Gpu => Placement::Device,
+                lt_sched::plan::Placement::Host => Placement::Host,
+                lt_sched::plan::Placement::Nvme => Placement::Nvme,
+                lt_sched::plan::Placement::Recompute => Placement::Recompute,
+            })
+            .collect();
+        Self { boundaries, loss_chunk_tokens: p.loss_chunk_tokens.max(1) }
+    }
+
     /// Kept boundaries in order (always includes 0 and L).
     pub fn kept(&self) -> Vec<usize> {
         self.boundaries.iter().enumerate().filter(|(_, p)| p.is_kept()).map(|(i, _)| i).collect()

@@ -495,20 +495,6 @@ struct Chosen {
     plan_json: serde_json::Value,
 }
 
-fn exec_plan_from(p: &lt_sched::plan::Plan) -> ExecPlan {
-    let boundaries = p
-        .boundaries
-        .iter()
-        .map(|b| match b {
-            lt_sched::plan::Placement::Gpu => Placement::Device,
-            lt_sched::plan::Placement::Host => Placement::Host,
-            lt_sched::plan::Placement::Nvme => Placement::Nvme,
-            lt_sched::plan::Placement::Recompute => Placement::Recompute,
-        })
-        .collect();
-    ExecPlan { boundaries, loss_chunk_tokens: p.loss_chunk_tokens.max(1) }
-}
-
 fn choose_plan(s: &Settings, cfg: &ModelConfig) -> Result<Chosen> {
     let spec: lt_sched::hardware::HardwareSpec = s.hardware.parse()?;
     let mut hw = lt_sched::hardware::load_profile(&spec)?;
@@ -541,7 +527,7 @@ fn choose_plan(s: &Settings, cfg: &ModelConfig) -> Result<Chosen> {
             s.seq_len
         );
         return Ok(Chosen {
-            plan: exec_plan_from(&p),
+            plan: ExecPlan::from_sched(&p),
             micro_batch_size: s.micro_batch_size.unwrap_or(p.micro_batch_size),
             budget,
             predicted_step_seconds: Some(p.predicted.step_seconds),
@@ -570,7 +556,7 @@ fn choose_plan(s: &Settings, cfg: &ModelConfig) -> Result<Chosen> {
                 })
                 .collect();
             Chosen {
-                plan: exec_plan_from(p),
+                plan: ExecPlan::from_sched(p),
                 micro_batch_size: p.micro_batch_size,
                 budget,
                 predicted_step_seconds: Some(p.predicted.step_seconds),
