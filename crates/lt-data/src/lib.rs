@@ -20,23 +20,24 @@
 //! ```
 //! use std::sync::Arc;
 //! use lt_data::{
-//!     Accuracy, BatchMode, Batcher, BatcherConfig, ChatEncoder, MemorySource, PrepareOptions, TokenizerKind,
-//!     prepare, synth, tokenizer,
+//!     Accuracy, BYTE_SEQ_LEN, BatchMode, Batcher, BatcherConfig, ChatEncoder, MemorySource, PrepareOptions,
+//!     TokenizerKind, prepare, synth, tokenizer,
 //! };
 //!
 //! let records = synth::generate(&synth::SynthConfig { groups: 50, ..Default::default() })?;
 //! let (tok, template) = tokenizer::load(TokenizerKind::Byte, None)?;
 //! let encoder = ChatEncoder::new(tok.clone(), template);
-//! let opts = PrepareOptions { seq_len: 256, eval_fraction: 0.2, ..Default::default() };
+//! let opts = PrepareOptions { seq_len: BYTE_SEQ_LEN, eval_fraction: 0.2, ..Default::default() };
 //! let data = prepare(&MemorySource::from_records("synthetic", &records), &encoder, &opts)?;
 //!
 //! let cfg = BatcherConfig {
-//!     batch_size: 4, seq_len: 256, mode: BatchMode::Pack, seed: 42, shuffle: true,
+//!     batch_size: 4, seq_len: BYTE_SEQ_LEN, mode: BatchMode::Pack, seed: 42, shuffle: true,
 //!     pad_id: tok.pad_id().unwrap_or(0),
 //! };
 //! let mut batcher = Batcher::new(Arc::new(data.train), cfg)?;
 //! let batch = batcher.next_batch();
-//! assert!(batch.input_ids.iter().all(|row| row.len() == 256));
+//! assert!(batch.input_ids.iter().all(|row| row.len() == BYTE_SEQ_LEN));
+//! assert_eq!(data.report.truncated_examples, 0);
 //! assert!(batch.loss_tokens < batch.real_tokens);
 //!
 //! // Evaluation: generate from `prompt_ids`, decode, score.
@@ -73,6 +74,6 @@ pub use error::DataError;
 pub use prepare::{DataReport, MemorySource, PrepareOptions, Prepared, SampleSource, prepare};
 pub use source::{DatasetFile, DatasetFormat, Sample, SampleBody};
 pub use split::{GroupSplit, Side};
-pub use synth::{MetaMathRecord, SynthConfig};
+pub use synth::{BYTE_SEQ_LEN, MetaMathRecord, SynthConfig};
 pub use template::{ChatTemplate, Message};
 pub use tokenizer::{ByteTokenizer, HfTokenizer, Tokenizer, TokenizerKind};

@@ -569,9 +569,10 @@ mod tests {
     /// `eval_fraction` 1 (a whole test file for `lt eval`) keeps every question and needs no training data.
     #[test]
     fn all_eval_split_keeps_every_question() {
-        let records = crate::synth::generate(&crate::SynthConfig { groups: 20, ..Default::default() }).unwrap();
+        let records = crate::synth::generate(&crate::SynthConfig { groups: 20, ..Default::default() })
+            .unwrap_or_else(|e| panic!("{e}"));
         let src = MemorySource::from_records("synthetic", &records);
-        let p = prepare(&src, &byte_encoder(), &opts(1.0, false, 0)).unwrap();
+        let p = prepare(&src, &byte_encoder(), &opts(1.0, false, 0)).unwrap_or_else(|e| panic!("{e}"));
         assert!(p.train.is_empty());
         assert_eq!(p.report.eval_groups, 20);
         assert_eq!(p.eval_examples.len(), p.report.eval_questions);

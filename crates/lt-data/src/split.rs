@@ -71,15 +71,15 @@ mod tests {
     use super::*;
     use crate::rng::SplitMix64;
 
-    /// Property: over many groups with several rewrites each (shuffled, like MetaMathQA), every group lands
-    /// wholly on one side, for many seeds and fractions, and the eval share of groups is near the fraction.
     #[test]
     fn fraction_one_holds_out_every_group() {
-        let s = GroupSplit::new(1.0, 7).unwrap();
+        let s = GroupSplit::new(1.0, 7).unwrap_or_else(|e| panic!("{e}"));
         assert!((0..1000).all(|i| s.side(&format!("q{i}")) == Side::Eval));
         assert!(GroupSplit::new(1.5, 7).is_err());
     }
 
+    /// Property: over many groups with several rewrites each (shuffled, like MetaMathQA), every group lands
+    /// wholly on one side, for many seeds and fractions, and the eval share of groups is near the fraction.
     #[test]
     fn grouped_split_never_leaks_and_hits_the_fraction() {
         let mut rng = SplitMix64::new(7);

@@ -55,6 +55,10 @@ impl MetaMathRecord {
     }
 }
 
+/// A row length that holds every default-settings example rendered with ChatML and tokenized with
+/// [`crate::ByteTokenizer`] (the longest is under 280 tokens), so nothing is truncated.
+pub const BYTE_SEQ_LEN: usize = 288;
+
 /// Generator settings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SynthConfig {
@@ -330,6 +334,26 @@ mod tests {
         }
         let answer = extract_answer(&r.response).unwrap_or_default();
         assert!(answers_match(answer, &value.unwrap_or(-1).to_string(), &r.kind));
+    }
+
+    #[test]
+    fn default_examples_fit_the_suggested_byte_seq_len() {
+        use std::sync::Arc;
+        let enc = crate::ChatEncoder::new(Arc::new(crate::ByteTokenizer), crate::ByteTokenizer::chat_template());
+        let recs = generate(&SynthConfig::default()).unwrap_or_else(|e| panic!("{e}"));
+        let longest = recs
+            .iter()
+            .map(|r| {
+                let s = r.to_sample();
+                match &s.body {
+                    crate::SampleBody::Chat(m) => enc.encode_chat(m).map(|e| e.example.len()).unwrap_or(usize::MAX),
+                    crate::SampleBody::Tokens { .. } => usize::MAX,
+                }
+            })
+            .max()
+            .unwrap_or(usize::MAX);
+        assert!(longest <= BYTE_SEQ_LEN, "{longest}");
+        assert!(longest > BYTE_SEQ_LEN - 40, "the constant is not far too large: {longest}");
     }
 
     #[test]

@@ -83,7 +83,7 @@ pub struct RunFile {
     /// Rows per micro-batch (gradient accumulation when smaller than --batch-size) [default: the plan's].
     #[arg(long)]
     pub micro_batch_size: Option<usize>,
-    /// Row length in tokens; longer examples are cut and counted [default: 1024; demo 256].
+    /// Row length in tokens; longer examples are cut and counted [default: 1024; demo 288].
     #[arg(long)]
     pub seq_len: Option<usize>,
     /// Peak learning rate [default: 1e-5; demo 3e-3].
@@ -337,7 +337,7 @@ impl Settings {
         }
         let steps = o.steps.unwrap_or(d(demo, 80, 100));
         let batch_size = o.batch_size.unwrap_or(d(demo, 16, 8));
-        let seq_len = o.seq_len.unwrap_or(d(demo, 256, 1024));
+        let seq_len = o.seq_len.unwrap_or(d(demo, lt_data::BYTE_SEQ_LEN, 1024));
         let lr = o.lr.unwrap_or(if demo { 3e-3 } else { 1e-5 });
         let max_grad_norm = o.max_grad_norm.unwrap_or(1.0);
         let eval_fraction = o.eval_fraction.unwrap_or(if demo { 0.1 } else { 0.0 });
