@@ -19,10 +19,13 @@
 //! The answer is: 9
 //! ```
 //!
-//! A probe with these settings (byte tokens with ChatML, a 0.9M-parameter 4-layer GPT in PyTorch, batch 32,
-//! AdamW lr 3e-3, two shared CPU cores) reached 98% token accuracy on held-out result digits after about
-//! 1,500 steps; with values up to 50 and repeated verbs it was still at 56% after 700 steps. Larger ranges
-//! are available through [`SynthConfig`].
+//! Measured learnability (byte tokens with ChatML, a 0.9M-parameter 4-layer GPT in PyTorch, batch 32 rows,
+//! AdamW lr 3e-3 with cosine decay, two shared CPU cores at 5-15K tokens/s; teacher-forced exact match on
+//! the held-out groups, a lower bound on greedy exact match): with these defaults, 89% on 400 questions
+//! after 3,000 steps and 93% on all 1,803 after 3,400 steps (~24M tokens); 80% was first passed near step
+//! 2,500. Individual runs differ by several hundred steps in when copying is learned. With values up to 50
+//! and repeated verbs a run was at 0.2% after 700 steps; with values up to 20 but repeated verbs, 71% after
+//! 2,160. Larger ranges are available through [`SynthConfig`].
 //!
 //! The generator uses [`SplitMix64`], so a seed gives the same records on every machine.
 
