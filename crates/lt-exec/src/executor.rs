@@ -20,7 +20,7 @@ use burn::tensor::{Int, Tensor, TensorData};
 use crossbeam::channel;
 use lt_core::{ByteSize, ModelConfig};
 use lt_model::layer::{SeqCtx, layer_backward, layer_forward};
-use lt_model::model::{Batch, IGNORE_INDEX, embed, to_vec};
+use lt_model::model::{Batch, embed, shifted_targets, to_vec};
 use lt_model::ops;
 use lt_model::weights::{HeadWeights, LayerWeights};
 
@@ -504,22 +504,7 @@ fn head_backward<B: AutodiffBackend>(
     let n = b * t;
     let device = x.device();
     let flat = x.reshape([n, h]);
-    let mut targets = Vec::with_capacity(n);
-    let mut weights = Vec::with_capacity(n);
-    for row in labels {
-        for i in 0..row.len() {
-            match row.get(i + 1) {
-                Some(&v) if v != IGNORE_INDEX && denom > 0 => {
-                    targets.push(v);
-                    weights.push(1.0 / denom as f32);
-                }
-                _ => {
-                    targets.push(0);
-                    weights.push(0.0);
-                }
-            }
-        }
-    }
+    let (targets, weights) = shifted_targets(labels, denom);
     let mut gnorm = Tensor::<Inner<B>, 1>::zeros([h], &device);
     let mut gout = Tensor::<Inner<B>, 2>::zeros(head.output_weight().dims(), &device);
     let mut gx = Vec::new();

@@ -104,7 +104,7 @@ impl Batch {
 
     /// Number of tokens that contribute to the loss (shifted, non-ignored).
     pub fn loss_tokens(&self) -> usize {
-        self.labels.iter().map(|l| l.iter().skip(1).filter(|&&v| v != IGNORE_INDEX).count()).sum()
+        loss_token_count(&self.labels)
     }
 }
 
@@ -131,19 +131,26 @@ pub fn head_logits<B: Backend>(cfg: &lt_core::ModelConfig, head: &HeadWeights<B>
     ops::linear(h, head.output_weight(), None)
 }
 
+/// Tokens that contribute to the loss: shifted by one, `-100` ignored.
+pub fn loss_token_count(labels: &[Vec<i64>]) -> usize {
+    labels.iter().map(|l| l.iter().skip(1).filter(|&&v| v != IGNORE_INDEX).count()).sum()
+}
+
 /// Per-position loss weights for HF's causal-LM loss: position `t` predicts `labels[t+1]`, each
 /// valid target weighs `1/N` (N = valid targets in the batch), the last position weighs 0.
 /// Returns the targets (ignored ones set to 0) and weights, both `[B][T]` flattened.
-pub fn shifted_targets(labels: &[Vec<i64>]) -> (Vec<i64>, Vec<f32>) {
-    let n: usize = labels.iter().map(|l| l.iter().skip(1).filter(|&&v| v != IGNORE_INDEX).count()).sum();
+///
+/// `denom` is the number of loss tokens the mean divides by: [`loss_token_count`] of these labels for
+/// one batch, or of the whole step when micro-batches accumulate. With `denom == 0` every weight is 0.
+pub fn shifted_targets(labels: &[Vec<i64>], denom: usize) -> (Vec<i64>, Vec<f32>) {
     let mut targets = Vec::new();
     let mut weights = Vec::new();
     for row in labels {
         for t in 0..row.len() {
             match row.get(t + 1) {
-                Some(&v) if v != IGNORE_INDEX => {
+                Some(&v) if v != IGNORE_INDEX && denom > 0 => {
                     targets.push(v);
-                    weights.push(1.0 / n as f32);
+                    weights.push(1.0 / denom as f32);
                 }
                 _ => {
                     targets.push(0);
@@ -163,7 +170,7 @@ pub fn shifted_targets(labels: &[Vec<i64>]) -> (Vec<i64>, Vec<f32>) {
 pub fn causal_lm_loss<B: Backend>(logits: Tensor<B, 3>, labels: &[Vec<i64>]) -> Tensor<B, 1> {
     let [b, t, _] = logits.dims();
     let device = logits.device();
-    let (targets, weights) = shifted_targets(labels);
+    let (targets, weights) = shifted_targets(labels, loss_token_count(labels));
     let idx = Tensor::<B, 3, Int>::from_data(TensorData::new(targets, [b, t, 1]), &device);
     let w = Tensor::<B, 3>::from_data(TensorData::new(weights, [b, t, 1]), &device);
     let logp = log_softmax(logits, 2).gather(2, idx);
