@@ -17,6 +17,7 @@
 pub mod config;
 pub mod hardware;
 pub mod hash;
+pub mod rng;
 pub mod size;
 
 pub use config::{ConfigError, Family, LayerKind, LinearAttnConfig, ModelConfig, ParamSpec};

@@ -56,7 +56,7 @@ pub mod dataset;
 pub mod encode;
 pub mod error;
 pub mod prepare;
-pub mod rng;
+pub use lt_core::rng;
 pub mod source;
 pub mod split;
 pub mod synth;

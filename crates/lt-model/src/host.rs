@@ -116,6 +116,75 @@ impl HostModel {
         Ok(Self { config, embed_tokens, norm, lm_head, layers, prefix })
     }
 
+    /// A randomly initialised model, as Hugging Face initialises one: weights from normal(0, 0.02),
+    /// RMSNorm scales 1 (0 for the zero-centred `1 + w` norms of Qwen3.5, whose gated DeltaNet norm is a
+    /// plain scale), `dt_bias` 1 and `A_log` = ln(uniform[1, 16]). Deterministic for a seed; layers are
+    /// filled in parallel (each from its own stream), so a 7B model takes seconds on a many-core host.
+    pub fn random_init(config: ModelConfig, seed: u64) -> Self {
+        use lt_core::rng::SplitMix64;
+        fn fill(spec_name: &str, n: usize, zero_centered: bool, rng: &mut SplitMix64) -> Vec<f32> {
+            if spec_name.ends_with("norm.weight") {
+                let plain = !zero_centered || spec_name.starts_with("linear_attn.");
+                return vec![if plain { 1.0 } else { 0.0 }; n];
+            }
+            if spec_name.ends_with("dt_bias") {
+                return vec![1.0; n];
+            }
+            if spec_name.ends_with("A_log") {
+                return (0..n).map(|_| (1.0 + 15.0 * rng.next_f64()).ln() as f32).collect();
+            }
+            let mut out = Vec::with_capacity(n);
+            while out.len() < n {
+                // Box-Muller: two normals from two uniforms in (0, 1].
+                let u1 = 1.0 - rng.next_f64();
+                let u2 = rng.next_f64();
+                let r = 0.02 * (-2.0 * u1.ln()).sqrt();
+                let (s, c) = (std::f64::consts::TAU * u2).sin_cos();
+                out.push((r * c) as f32);
+                if out.len() < n {
+                    out.push((r * s) as f32);
+                }
+            }
+            out
+        }
+        let zc = config.zero_centered_norm;
+        let tensor = |name: &str, shape: &[usize], stream: u64| {
+            let n = shape.iter().product();
+            let mut rng = SplitMix64::for_stream(seed, stream);
+            HostTensor { shape: shape.to_vec(), data: fill(name, n, zc, &mut rng) }
+        };
+        let outer = config.outer_params();
+        let outer_tensor = |name: &str, stream: u64| {
+            let shape = outer.iter().find(|s| s.name == name).map(|s| s.shape.clone()).unwrap_or_default();
+            tensor(name, &shape, stream)
+        };
+        let embed_tokens = outer_tensor("embed_tokens.weight", 0);
+        let norm = outer_tensor("norm.weight", 1);
+        let lm_head = (!config.tie_word_embeddings).then(|| outer_tensor("lm_head.weight", 2));
+        let n_layers = config.num_layers();
+        let threads = std::thread::available_parallelism().map(usize::from).unwrap_or(1).clamp(1, n_layers.max(1));
+        let make_layer = |i: usize| {
+            let specs = config.layer_params(i);
+            let tensors =
+                specs.iter().enumerate().map(|(j, s)| tensor(&s.name, &s.shape, 1000 * (i as u64 + 1) + j as u64));
+            HostLayer { tensors: tensors.collect(), specs }
+        };
+        let mut layers: Vec<Option<HostLayer>> = (0..n_layers).map(|_| None).collect();
+        std::thread::scope(|scope| {
+            for (t, chunk) in layers.chunks_mut(n_layers.div_ceil(threads).max(1)).enumerate() {
+                let first = t * n_layers.div_ceil(threads).max(1);
+                let make_layer = &make_layer;
+                scope.spawn(move || {
+                    for (k, slot) in chunk.iter_mut().enumerate() {
+                        *slot = Some(make_layer(first + k));
+                    }
+                });
+            }
+        });
+        let layers = layers.into_iter().flatten().collect();
+        Self { config, embed_tokens, norm, lm_head, layers, prefix: "model.".into() }
+    }
+
     /// Checkpoint name of a layer parameter.
     pub fn layer_param_name(&self, layer: usize, rel: &str) -> String {
         format!("{}layers.{layer}.{rel}", self.prefix)

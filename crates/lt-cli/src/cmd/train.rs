@@ -578,7 +578,7 @@ micro-batch {} x {} accumulation, loss chunk {} tokens; predicted step {:.3} s, 
     })
 }
 
-/// A small Qwen3-architecture model, randomly initialised (HF's init: normal(0, 0.02), norms 1).
+/// A small Qwen3-architecture model, randomly initialised as Hugging Face would (see `HostModel::random_init`).
 fn demo_model(vocab: usize, seed: u64) -> Result<(HostModel, serde_json::Value)> {
     let config = serde_json::json!({
         "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": vocab,
@@ -588,39 +588,7 @@ fn demo_model(vocab: usize, seed: u64) -> Result<(HostModel, serde_json::Value)>
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "torch_dtype": "float32",
     });
     let cfg = ModelConfig::from_json_str(&config.to_string())?;
-    let mut rng = lt_data::rng::SplitMix64::new(seed);
-    let mut normal = |n: usize| -> Vec<f32> {
-        (0..n)
-            .map(|_| {
-                // Box-Muller from two uniforms in (0, 1].
-                let u1 = 1.0 - rng.next_f64();
-                let u2 = rng.next_f64();
-                (0.02 * (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32
-            })
-            .collect()
-    };
-    let tensor = |shape: &[usize], data: Vec<f32>| lt_model::host::HostTensor { shape: shape.to_vec(), data };
-    let mut layers = Vec::new();
-    for i in 0..cfg.num_layers() {
-        let specs = cfg.layer_params(i);
-        let tensors = specs
-            .iter()
-            .map(|s| {
-                let n = s.numel();
-                let data = if s.name.ends_with("norm.weight") { vec![1.0; n] } else { normal(n) };
-                tensor(&s.shape, data)
-            })
-            .collect();
-        layers.push(lt_model::host::HostLayer { specs, tensors });
-    }
-    let host = HostModel {
-        embed_tokens: tensor(&[vocab, cfg.hidden_size], normal(vocab * cfg.hidden_size)),
-        norm: tensor(&[cfg.hidden_size], vec![1.0; cfg.hidden_size]),
-        lm_head: None,
-        layers,
-        prefix: "model.".into(),
-        config: cfg,
-    };
+    let host = HostModel::random_init(cfg, seed);
     Ok((host, config))
 }
 
