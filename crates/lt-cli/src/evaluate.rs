@@ -10,24 +10,12 @@ use lt_model::generate::generate_greedy;
 use lt_model::weights::DeviceModel;
 use serde::Serialize;
 
-/// Marker file written into exported models trained with the byte tokenizer (they have no
-/// `tokenizer.json`), so `lt eval` knows how to tokenize for them.
-pub const BYTE_TOKENIZER_MARKER: &str = "lt_tokenizer.json";
-
-/// The tokenizer and chat template of a model folder: `tokenizer.json` if present, else the byte
-/// tokenizer when the folder carries the marker.
+/// The tokenizer and chat template of a model folder (`tokenizer.json`, `tokenizer_config.json`).
 pub fn encoder_for(model_dir: &Path) -> Result<ChatEncoder> {
-    let kind = if model_dir.join("tokenizer.json").exists() {
-        TokenizerKind::Hf
-    } else if model_dir.join(BYTE_TOKENIZER_MARKER).exists() {
-        TokenizerKind::Byte
-    } else {
-        anyhow::bail!(
-            "{}: no tokenizer.json (and no {BYTE_TOKENIZER_MARKER} marker): cannot tokenize text for this model",
-            model_dir.display()
-        );
-    };
-    let (tok, template) = lt_data::tokenizer::load(kind, Some(model_dir))
+    if !model_dir.join("tokenizer.json").exists() {
+        anyhow::bail!("{}: no tokenizer.json: cannot tokenize text for this model", model_dir.display());
+    }
+    let (tok, template) = lt_data::tokenizer::load(TokenizerKind::Hf, Some(model_dir))
         .with_context(|| format!("{}: loading the tokenizer", model_dir.display()))?;
     Ok(ChatEncoder::new(tok, template))
 }

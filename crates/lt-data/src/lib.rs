@@ -62,6 +62,7 @@ pub mod split;
 pub mod synth;
 pub mod template;
 pub mod tokenizer;
+pub mod word_tokenizer;
 
 #[cfg(test)]
 mod testutil;
@@ -74,6 +75,6 @@ pub use error::DataError;
 pub use prepare::{DataReport, MemorySource, PrepareOptions, Prepared, SampleSource, prepare};
 pub use source::{DatasetFile, DatasetFormat, Sample, SampleBody};
 pub use split::{GroupSplit, Side};
-pub use synth::{BYTE_SEQ_LEN, MetaMathRecord, SynthConfig};
+pub use synth::{BYTE_SEQ_LEN, MetaMathRecord, SynthConfig, WORD_SEQ_LEN};
 pub use template::{ChatTemplate, Message};
 pub use tokenizer::{ByteTokenizer, HfTokenizer, Tokenizer, TokenizerKind};

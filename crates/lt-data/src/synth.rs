@@ -6,26 +6,25 @@
 //! the original question), the others use other wordings (type `GSM_Rephrased`). `original_question` is
 //! the canonical wording, so the grouped split keeps all rewrites on one side.
 //!
-//! It is built to be learnable by a ~1-5M parameter model on a CPU: by default values stay in `0..=20`
-//! (starts 2-9, changes 1-5, so operands and results have 1-2 digits); names, objects and verbs come from
-//! small fixed lists, and the verbs of one problem are distinct; and the response always has the same
-//! shape, one line per step, so every number in it is either copied ("verb amount" from the question, the
+//! It is built to be learnable in minutes by a model of a few hundred thousand parameters on a CPU: by
+//! default values stay in `0..=20` (starts 2-9, changes 1-5); names, objects and verbs come from small
+//! fixed lists, and the verbs of one problem are distinct; and the response always has the same shape,
+//! one line per step, so every number in it is either copied ("verb amount" from the question, the
 //! previous result from the line above) or a one-step sum or difference:
 //!
 //! ```text
-//! Tom has 8 apples.
-//! Tom buys 5: 8 + 5 = 13.
-//! Tom gives away 4: 13 - 4 = 9.
+//! buys 5: 8 + 5 = 13.
+//! gives away 4: 13 - 4 = 9.
 //! The answer is: 9
 //! ```
 //!
-//! Measured learnability (byte tokens with ChatML, a 0.9M-parameter 4-layer GPT in PyTorch, batch 32 rows,
-//! AdamW lr 3e-3 with cosine decay, two shared CPU cores at 5-15K tokens/s; teacher-forced exact match on
-//! the held-out groups, a lower bound on greedy exact match): with these defaults, 89% on 400 questions
-//! after 3,000 steps and 93% on all 1,803 after 3,400 steps (~24M tokens); 80% was first passed near step
-//! 2,500. Individual runs differ by several hundred steps in when copying is learned. With values up to 50
-//! and repeated verbs a run was at 0.2% after 700 steps; with values up to 20 but repeated verbs, 71% after
-//! 2,160. Larger ranges are available through [`SynthConfig`].
+//! Measured learnability (PyTorch probe, a 2-layer 128-wide Qwen3 of 0.36M parameters, batch 32 examples,
+//! AdamW lr 3e-3 with 20 warmup steps and cosine decay, greedy exact match on 100 held-out questions):
+//! with the word-level tokenizer of [`crate::word_tokenizer`], 97% after 200 steps (~390K tokens) and 100%
+//! after 400; a 120-step schedule reached 68%. With byte tokens and a longer response (the name repeated
+//! and a first line restating the start) a 4-layer model needed ~2,500 steps of 32 rows for 80%. With
+//! values up to 50 and repeated verbs, a byte-level run was at 0.2% after 700 steps. Larger ranges are
+//! available through [`SynthConfig`].
 //!
 //! The generator uses [`SplitMix64`], so a seed gives the same records on every machine.
 
@@ -59,8 +58,13 @@ impl MetaMathRecord {
 }
 
 /// A row length that holds every default-settings example rendered with ChatML and tokenized with
-/// [`crate::ByteTokenizer`] (the longest is under 280 tokens), so nothing is truncated.
-pub const BYTE_SEQ_LEN: usize = 288;
+/// [`crate::ByteTokenizer`] (the longest is 232 tokens), so nothing is truncated.
+pub const BYTE_SEQ_LEN: usize = 240;
+
+/// The longest default-settings example rendered with ChatML and tokenized with the word-level tokenizer
+/// that [`crate::word_tokenizer::build`] makes from the records: a row of at least this many tokens
+/// truncates nothing.
+pub const WORD_SEQ_LEN: usize = 80;
 
 /// Generator settings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -193,11 +197,11 @@ impl Problem {
     }
 
     fn response(&self) -> String {
-        let mut out = format!("{} has {} {}.\n", self.name, self.start, self.object);
+        let mut out = String::new();
         let mut v = self.start;
         for s in &self.steps {
             let (op, next) = if s.gain { ('+', v + s.amount) } else { ('-', v - s.amount) };
-            out.push_str(&format!("{} {} {}: {v} {op} {} = {next}.\n", self.name, s.verb, s.amount, s.amount));
+            out.push_str(&format!("{} {}: {v} {op} {} = {next}.\n", s.verb, s.amount, s.amount));
             v = next;
         }
         out.push_str(&format!("The answer is: {v}"));
@@ -302,13 +306,13 @@ mod tests {
             check_arithmetic(r);
             // Verbs within one problem are distinct (at most 3 steps, 3 verbs per kind).
             let lines: Vec<&str> = r.response.lines().collect();
-            // "Tom gives away 4: 13 - 4 = 9." -> "gives away"
-            let verbs: Vec<String> = lines[1..lines.len() - 1]
+            // "gives away 4: 13 - 4 = 9." -> "gives away"
+            let verbs: Vec<String> = lines[..lines.len() - 1]
                 .iter()
                 .filter_map(|l| l.split(": ").next())
                 .map(|head| {
                     let words: Vec<&str> = head.split(' ').collect();
-                    words[1..words.len() - 1].join(" ")
+                    words[..words.len() - 1].join(" ")
                 })
                 .collect();
             let distinct: HashSet<&String> = verbs.iter().collect();
@@ -319,9 +323,9 @@ mod tests {
     /// Re-derives every step of a response from its question's numbers.
     fn check_arithmetic(r: &MetaMathRecord) {
         let lines: Vec<&str> = r.response.lines().collect();
-        assert!((4..=5).contains(&lines.len()), "{}", r.response);
+        assert!((3..=4).contains(&lines.len()), "{}", r.response);
         let mut value: Option<i64> = None;
-        for line in &lines[1..lines.len() - 1] {
+        for line in &lines[..lines.len() - 1] {
             let eq = line.split(": ").nth(1).unwrap_or_else(|| panic!("{line}")).trim_end_matches('.');
             let toks: Vec<&str> = eq.split(' ').collect();
             let (a, op, b, res): (i64, &str, i64, i64) =
@@ -339,24 +343,29 @@ mod tests {
         assert!(answers_match(answer, &value.unwrap_or(-1).to_string(), &r.kind));
     }
 
-    #[test]
-    fn default_examples_fit_the_suggested_byte_seq_len() {
-        use std::sync::Arc;
-        let enc = crate::ChatEncoder::new(Arc::new(crate::ByteTokenizer), crate::ByteTokenizer::chat_template());
-        let recs = generate(&SynthConfig::default()).unwrap_or_else(|e| panic!("{e}"));
-        let longest = recs
-            .iter()
-            .map(|r| {
-                let s = r.to_sample();
-                match &s.body {
-                    crate::SampleBody::Chat(m) => enc.encode_chat(m).map(|e| e.example.len()).unwrap_or(usize::MAX),
-                    crate::SampleBody::Tokens { .. } => usize::MAX,
-                }
+    fn longest_encoded(enc: &crate::ChatEncoder, recs: &[MetaMathRecord]) -> usize {
+        recs.iter()
+            .map(|r| match &r.to_sample().body {
+                crate::SampleBody::Chat(m) => enc.encode_chat(m).map(|e| e.example.len()).unwrap_or(usize::MAX),
+                crate::SampleBody::Tokens { .. } => usize::MAX,
             })
             .max()
-            .unwrap_or(usize::MAX);
+            .unwrap_or(usize::MAX)
+    }
+
+    #[test]
+    fn default_examples_fit_the_suggested_seq_lens() {
+        use std::sync::Arc;
+        let recs = generate(&SynthConfig::default()).unwrap_or_else(|e| panic!("{e}"));
+        let bytes = crate::ChatEncoder::new(Arc::new(crate::ByteTokenizer), crate::ByteTokenizer::chat_template());
+        let longest = longest_encoded(&bytes, &recs);
         assert!(longest <= BYTE_SEQ_LEN, "{longest}");
-        assert!(longest > BYTE_SEQ_LEN - 40, "the constant is not far too large: {longest}");
+        assert!(longest > BYTE_SEQ_LEN - 16, "the constant is not far too large: {longest}");
+        let files = crate::word_tokenizer::build(recs.iter().flat_map(|r| [r.query.as_str(), r.response.as_str()]));
+        let (tok, template) = files.load().unwrap_or_else(|e| panic!("{e}"));
+        let longest = longest_encoded(&crate::ChatEncoder::new(tok, template), &recs);
+        assert!(longest <= WORD_SEQ_LEN, "{longest}");
+        assert!(longest > WORD_SEQ_LEN - 8, "the constant is not far too large: {longest}");
     }
 
     #[test]

@@ -27,7 +27,7 @@ use lt_storage::checkpoint::{CheckpointStore, Retention, Verify};
 use lt_storage::export::ExportDtype;
 use serde::{Deserialize, Serialize};
 
-use crate::evaluate::{BYTE_TOKENIZER_MARKER, encoder_for, evaluate};
+use crate::evaluate::{encoder_for, evaluate};
 
 /// Activation policy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
@@ -74,7 +74,7 @@ pub struct RunFile {
     /// JSONL ({"input_ids": [...], "labels": [...]}).
     #[arg(long, value_name = "FILE")]
     pub data: Option<PathBuf>,
-    /// Optimizer steps [default: 100; demo 80].
+    /// Optimizer steps [default: 100; demo 200].
     #[arg(long)]
     pub steps: Option<u64>,
     /// Sequences (rows) per step [default: 8; demo 16].
@@ -83,7 +83,7 @@ pub struct RunFile {
     /// Rows per micro-batch (gradient accumulation when smaller than --batch-size) [default: the plan's].
     #[arg(long)]
     pub micro_batch_size: Option<usize>,
-    /// Row length in tokens; longer examples are cut and counted [default: 1024; demo 288].
+    /// Row length in tokens; longer examples are cut and counted [default: 1024; demo 128].
     #[arg(long)]
     pub seq_len: Option<usize>,
     /// Peak learning rate [default: 1e-5; demo 3e-3].
@@ -95,10 +95,10 @@ pub struct RunFile {
     /// Global-norm gradient clipping; 0 disables [default: 1.0].
     #[arg(long)]
     pub max_grad_norm: Option<f64>,
-    /// Linear warmup steps [default: 0; demo 8].
+    /// Linear warmup steps [default: 0; demo 20].
     #[arg(long)]
     pub warmup_steps: Option<u64>,
-    /// Use a cosine decay after warmup instead of a constant learning rate.
+    /// Use a cosine decay after warmup instead of a constant learning rate (the demo always does).
     #[arg(long)]
     #[serde(default)]
     pub cosine: bool,
@@ -152,10 +152,10 @@ pub struct RunFile {
     /// Fraction of question groups held out for evaluation [default: 0; demo 0.1].
     #[arg(long)]
     pub eval_fraction: Option<f64>,
-    /// Evaluate at most N held-out questions [default: 200; demo 100].
+    /// Evaluate at most N held-out questions [default: 200].
     #[arg(long)]
     pub eval_limit: Option<usize>,
-    /// Longest generated answer during evaluation [default: 256; demo 160].
+    /// Longest generated answer during evaluation [default: 256; demo 48].
     #[arg(long)]
     pub max_new_tokens: Option<usize>,
     /// Pad each example to its own row instead of packing several per row.
@@ -335,9 +335,9 @@ impl Settings {
         fn d<T>(demo: bool, demo_v: T, v: T) -> T {
             if demo { demo_v } else { v }
         }
-        let steps = o.steps.unwrap_or(d(demo, 80, 100));
+        let steps = o.steps.unwrap_or(d(demo, 200, 100));
         let batch_size = o.batch_size.unwrap_or(d(demo, 16, 8));
-        let seq_len = o.seq_len.unwrap_or(d(demo, lt_data::BYTE_SEQ_LEN, 1024));
+        let seq_len = o.seq_len.unwrap_or(d(demo, 128, 1024));
         let lr = o.lr.unwrap_or(if demo { 3e-3 } else { 1e-5 });
         let max_grad_norm = o.max_grad_norm.unwrap_or(1.0);
         let eval_fraction = o.eval_fraction.unwrap_or(if demo { 0.1 } else { 0.0 });
@@ -382,8 +382,8 @@ impl Settings {
             seq_len,
             adamw,
             optimizer: o.optimizer.unwrap_or(OptimizerChoice::Adamw8bit),
-            warmup_steps: o.warmup_steps.unwrap_or(d(demo, 8, 0)),
-            schedule: if o.cosine { LrSchedule::Cosine } else { LrSchedule::Constant },
+            warmup_steps: o.warmup_steps.unwrap_or(d(demo, 20, 0)),
+            schedule: if o.cosine || demo { LrSchedule::Cosine } else { LrSchedule::Constant },
             shuffle: !o.no_shuffle,
             seed: o.seed.unwrap_or(42),
             policy: o.policy.unwrap_or(Policy::Auto),
@@ -399,8 +399,8 @@ impl Settings {
             device: o.device.unwrap_or(DeviceChoice::Cpu),
             eval_every: o.eval_every.unwrap_or(0),
             eval_fraction,
-            eval_limit: o.eval_limit.unwrap_or(d(demo, 100, 200)),
-            max_new_tokens: o.max_new_tokens.unwrap_or(d(demo, 160, 256)),
+            eval_limit: o.eval_limit.unwrap_or(200),
+            max_new_tokens: o.max_new_tokens.unwrap_or(d(demo, 48, 256)),
             packing: !o.no_packing,
             train_on_prompt: o.train_on_prompt,
             skip_bad_records: o.skip_bad_records,
@@ -486,16 +486,16 @@ impl lt_data::Tokenizer for IdsOnly {
 }
 
 /// The plan the executor will run, and what the planner predicted for it (if it planned).
-struct Chosen {
-    plan: ExecPlan,
-    micro_batch_size: usize,
-    budget: ByteSize,
-    predicted_step_seconds: Option<f64>,
-    summary: String,
-    plan_json: serde_json::Value,
+pub(crate) struct Chosen {
+    pub(crate) plan: ExecPlan,
+    pub(crate) micro_batch_size: usize,
+    pub(crate) budget: ByteSize,
+    pub(crate) predicted_step_seconds: Option<f64>,
+    pub(crate) summary: String,
+    pub(crate) plan_json: serde_json::Value,
 }
 
-fn choose_plan(s: &Settings, cfg: &ModelConfig) -> Result<Chosen> {
+pub(crate) fn choose_plan(s: &Settings, cfg: &ModelConfig) -> Result<Chosen> {
     let spec: lt_sched::hardware::HardwareSpec = s.hardware.parse()?;
     let mut hw = lt_sched::hardware::load_profile(&spec)?;
     if let Some(g) = s.gpu_memory {
@@ -582,7 +582,7 @@ micro-batch {} x {} accumulation, loss chunk {} tokens; predicted step {:.3} s, 
 fn demo_model(vocab: usize, seed: u64) -> Result<(HostModel, serde_json::Value)> {
     let config = serde_json::json!({
         "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": vocab,
-        "hidden_size": 192, "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 6,
+        "hidden_size": 128, "intermediate_size": 320, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 32, "rms_norm_eps": 1e-6, "hidden_act": "silu",
         "max_position_embeddings": 512, "tie_word_embeddings": true, "attention_bias": false,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "torch_dtype": "float32",
@@ -642,9 +642,17 @@ where
         None => None,
     };
     let pretokenized = data_file.as_ref().is_some_and(|f| f.format() == lt_data::DatasetFormat::Tokens);
+    // The demo's records come first: its tokenizer's vocabulary is built from them.
+    let demo_records = match &s.data {
+        Some(_) => None,
+        None => Some(lt_data::synth::generate(&lt_data::SynthConfig::default())?),
+    };
+    let demo_tokenizer = demo_records.as_ref().map(|records| {
+        lt_data::word_tokenizer::build(records.iter().flat_map(|r| [r.query.as_str(), r.response.as_str()]))
+    });
     let (host, encoder, source_dir, config_json): (HostModel, ChatEncoder, Option<&Path>, Option<serde_json::Value>) =
-        match &s.model {
-            Some(dir) => {
+        match (&s.model, &demo_tokenizer) {
+            (Some(dir), _) => {
                 let host = HostModel::load(dir)?;
                 let encoder = match encoder_for(dir) {
                     Ok(e) => e,
@@ -657,11 +665,12 @@ where
                 };
                 (host, encoder, Some(dir.as_path()), None)
             }
-            None => {
-                let (tok, template) = lt_data::tokenizer::load(lt_data::TokenizerKind::Byte, None)?;
+            (None, Some(files)) => {
+                let (tok, template) = files.load()?;
                 let (host, cfg) = demo_model(tok.vocab_size(), s.seed)?;
                 (host, ChatEncoder::new(tok, template), None, Some(cfg))
             }
+            (None, None) => bail!("--model is required with --data"),
         };
     let encoder = encoder.with_train_on_prompt(s.train_on_prompt);
     let cfg = host.config.clone();
@@ -674,13 +683,13 @@ where
         max_eval_examples: Some(s.eval_limit),
         ..Default::default()
     };
-    let (prepared, eval_records) = match &data_file {
-        Some(file) => (lt_data::prepare(file, &encoder, &popts)?, None),
-        None => {
-            let records = lt_data::synth::generate(&lt_data::SynthConfig::default())?;
+    let (prepared, eval_records) = match (&data_file, demo_records) {
+        (Some(file), _) => (lt_data::prepare(file, &encoder, &popts)?, None),
+        (None, Some(records)) => {
             let src = lt_data::MemorySource::from_records("built-in synthetic arithmetic", &records);
             (lt_data::prepare(&src, &encoder, &popts)?, Some(records))
         }
+        (None, None) => bail!("--data is required with --model"),
     };
     eprintln!("data: {}", prepared.report.summary());
     anyhow::ensure!(!prepared.train.is_empty(), "no training examples left after preparing the data");
@@ -853,8 +862,8 @@ where
     let snap = trainer.model.snapshot();
     let model_dir = s.out.join("model");
     persist::export_model(&snap, &model_dir, source_dir, config_json.clone(), ExportDtype::F32)?;
-    if s.is_demo() {
-        crate::fsutil::write_atomic(&model_dir.join(BYTE_TOKENIZER_MARKER), br#"{"kind": "byte"}"#)?;
+    if let Some(files) = &demo_tokenizer {
+        files.write_to(&model_dir)?;
     }
     let trace_path = s.out.join("trace.json");
     let last_step = trainer.completed();
