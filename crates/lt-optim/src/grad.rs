@@ -83,6 +83,13 @@ pub(crate) trait GradElem: Copy + Send + Sync + 'static {
     /// `ptr` must be valid for reading 16 elements and the CPU must support AVX-512F.
     #[cfg(target_arch = "x86_64")]
     unsafe fn load16(ptr: *const Self) -> std::arch::x86_64::__m512;
+
+    /// Loads 8 elements widened to f32.
+    ///
+    /// # Safety
+    /// `ptr` must be valid for reading 8 elements and the CPU must support AVX2.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8(ptr: *const Self) -> std::arch::x86_64::__m256;
 }
 
 impl GradElem for f32 {
@@ -97,6 +104,14 @@ impl GradElem for f32 {
     unsafe fn load16(ptr: *const f32) -> std::arch::x86_64::__m512 {
         // SAFETY: the caller guarantees 16 readable elements.
         unsafe { std::arch::x86_64::_mm512_loadu_ps(ptr) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn load8(ptr: *const f32) -> std::arch::x86_64::__m256 {
+        // SAFETY: the caller guarantees 8 readable elements.
+        unsafe { std::arch::x86_64::_mm256_loadu_ps(ptr) }
     }
 }
 
@@ -115,6 +130,16 @@ impl GradElem for bf16 {
         // SAFETY: the caller guarantees 16 readable elements (32 bytes); bf16 is a transparent u16.
         let h = unsafe { _mm256_loadu_si256(ptr as *const __m256i) };
         _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn load8(ptr: *const bf16) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller guarantees 8 readable elements (16 bytes); bf16 is a transparent u16.
+        let h = unsafe { _mm_loadu_si128(ptr as *const __m128i) };
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
     }
 }
 

@@ -9,8 +9,8 @@
 //!   f32 absmax per block (bitsandbytes' dynamic maps, about 2.03 bytes of state per parameter);
 //!   tensors under 4096 elements keep fp32 state. Codes are the exact nearest map entry (the rule
 //!   bitsandbytes specifies; its CPU kernel deviates near zero, documented in [`qmap`]), found by
-//!   one table read per element instead of a binary search. The AVX-512 kernel dequantizes with
-//!   byte shuffles and keeps the divider for the square root only (see `kernels`).
+//!   one table read per element instead of a binary search. AVX-512 and AVX2 kernels (chosen at
+//!   run time) give results bit-identical to the portable one (see `kernels`).
 //! - Fast clipping: [`grad`] returns each layer's sum of squares while converting or accumulating its
 //!   gradients, [`GradNorm`] adds them, and the clip scale is applied inside the update kernel.
 //! - [`AdamW::save`] / [`AdamW::load`]: versioned, checksummed checkpoints.

@@ -64,10 +64,12 @@ pub struct QuantMap {
     /// Entry = code at the bucket start (bits 0..8) | transition offset << 8 (`1 << shift` when the
     /// bucket holds no transition; 19 bits) | code step at the transition << 27 (4 bits).
     lut: Vec<u32>,
-    /// The same table in the SIMD kernel's format, built when every transition steps by one code
-    /// (true for nearest-code maps): `thr << (32 - shift) | base9`, where a lane's code is
-    /// `base9 + hit` (`- hit` on the negative side) truncated to 8 bits, `hit = offset >= thr`.
-    /// Buckets without a transition store `thr = 0` (always hit) and a base one code short.
+    /// The same table in the SIMD kernels' format, built when every transition steps by one code
+    /// (true for nearest-code maps): `(thr << up) - 512 + base` (mod 2^32, `up = 32 - shift`),
+    /// where a lane's code is `base + hit` (`- hit` on the negative side) truncated to 8 bits and
+    /// `hit = (offset << up) > entry` (unsigned). `up >= 9`, so the low 9 bits hold `base` and the
+    /// compare is exactly `offset >= thr`; a bucket without a transition stores `thr = 1 << shift`,
+    /// which wraps to `0xffff_fe00 + base`, above every shifted offset (never hit).
     unit_lut: Vec<u32>,
     /// `planes[b][j]` = byte `b` of `code[j]`'s bits: dequantization by byte shuffles (SIMD).
     planes: Box<[[u8; 256]; 4]>,
@@ -224,13 +226,8 @@ impl QuantMap {
                     }
                     lut.push(base | (thr << 8) | (step << 27));
                     unit_ok &= step <= 1;
-                    let base9 = match (first.is_some(), neg) {
-                        (true, _) => base,
-                        (false, false) => base.wrapping_sub(1) & 0x1ff,
-                        (false, true) => base + 1,
-                    };
-                    let thr9 = if first.is_some() { thr } else { 0 };
-                    unit.push((thr9 << (32 - shift)) | base9);
+                    // `thr` is `1 << shift` without a transition: the shift wraps it to 0 (never hit).
+                    unit.push(((thr as u64) << (32 - shift)).wrapping_sub(512).wrapping_add(base as u64) as u32);
                 }
             }
             if ok {

@@ -7,7 +7,7 @@ use std::sync::OnceLock;
 pub enum SimdLevel {
     /// Portable Rust (still auto-vectorised for the build's baseline target).
     Scalar,
-    /// x86-64 AVX2 + FMA: auto-vectorised fp32 kernels; the 8-bit kernel stays scalar.
+    /// x86-64 AVX2 + FMA: auto-vectorised fp32 kernels and a hand-written 8-lane 8-bit kernel.
     Avx2,
     /// x86-64 AVX-512F + DQ: hand-written 8-bit kernel and auto-vectorised fp32 kernels.
     Avx512,
@@ -25,9 +25,8 @@ impl SimdLevel {
 }
 
 /// The kernel family in use: the best the CPU supports, lowered (never raised) by the environment
-/// variable `LT_OPTIM_SIMD=scalar|avx2|avx512` so benchmarks can compare paths. The fp32 kernels
-/// give bit-identical results on every path; the 8-bit kernel's parameters differ between paths by
-/// at most about 1 ulp of the update (states are identical), see `kernels`.
+/// variable `LT_OPTIM_SIMD=scalar|avx2|avx512` so benchmarks can compare paths. Both the fp32 and
+/// the 8-bit kernels give bit-identical results on every path, see `kernels`.
 pub fn simd_level() -> SimdLevel {
     static LEVEL: OnceLock<SimdLevel> = OnceLock::new();
     *LEVEL.get_or_init(|| {
