@@ -8,6 +8,7 @@ use clap::{Parser, Subcommand};
 mod cmd;
 mod evaluate;
 mod fsutil;
+mod plot;
 mod progress;
 mod spill;
 

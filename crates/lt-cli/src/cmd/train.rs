@@ -77,13 +77,13 @@ pub struct RunFile {
     /// Optimizer steps [default: 100; demo 200].
     #[arg(long)]
     pub steps: Option<u64>,
-    /// Sequences (rows) per step [default: 8; demo 16].
+    /// Sequences (rows) per step [default: 8; demo 12].
     #[arg(long)]
     pub batch_size: Option<usize>,
     /// Rows per micro-batch (gradient accumulation when smaller than --batch-size) [default: the plan's].
     #[arg(long)]
     pub micro_batch_size: Option<usize>,
-    /// Row length in tokens; longer examples are cut and counted [default: 1024; demo 128].
+    /// Row length in tokens; longer examples are cut and counted [default: 1024; demo 256].
     #[arg(long)]
     pub seq_len: Option<usize>,
     /// Peak learning rate [default: 1e-5; demo 3e-3].
@@ -152,6 +152,10 @@ pub struct RunFile {
     /// Fraction of question groups held out for evaluation [default: 0; demo 0.1].
     #[arg(long)]
     pub eval_fraction: Option<f64>,
+    /// Held-out loss every N steps, on up to 128 held-out examples (0: only at the end) [default: steps/20
+    /// when there is a held-out split].
+    #[arg(long)]
+    pub eval_loss_every: Option<u64>,
     /// Evaluate at most N held-out questions [default: 200].
     #[arg(long)]
     pub eval_limit: Option<usize>,
@@ -238,6 +242,7 @@ fn merge(flags: &RunFile, file: &RunFile) -> RunFile {
             keep_checkpoints,
             device,
             eval_every,
+            eval_loss_every,
             eval_fraction,
             eval_limit,
             max_new_tokens,
@@ -301,6 +306,8 @@ pub struct Settings {
     pub device: DeviceChoice,
     /// Eval interval.
     pub eval_every: u64,
+    /// Eval-loss interval.
+    pub eval_loss_every: u64,
     /// Held-out fraction.
     pub eval_fraction: f64,
     /// Eval questions.
@@ -336,8 +343,8 @@ impl Settings {
             if demo { demo_v } else { v }
         }
         let steps = o.steps.unwrap_or(d(demo, 200, 100));
-        let batch_size = o.batch_size.unwrap_or(d(demo, 16, 8));
-        let seq_len = o.seq_len.unwrap_or(d(demo, 128, 1024));
+        let batch_size = o.batch_size.unwrap_or(d(demo, 12, 8));
+        let seq_len = o.seq_len.unwrap_or(d(demo, 256, 1024));
         let lr = o.lr.unwrap_or(if demo { 3e-3 } else { 1e-5 });
         let max_grad_norm = o.max_grad_norm.unwrap_or(1.0);
         let eval_fraction = o.eval_fraction.unwrap_or(if demo { 0.1 } else { 0.0 });
@@ -398,6 +405,7 @@ impl Settings {
             resume: o.resume,
             device: o.device.unwrap_or(DeviceChoice::Cpu),
             eval_every: o.eval_every.unwrap_or(0),
+            eval_loss_every: o.eval_loss_every.unwrap_or((steps / 20).max(1)),
             eval_fraction,
             eval_limit: o.eval_limit.unwrap_or(200),
             max_new_tokens: o.max_new_tokens.unwrap_or(d(demo, 48, 256)),
@@ -409,11 +417,6 @@ impl Settings {
             spill_dir: o.spill_dir.clone().unwrap_or_else(|| out.join("spill")),
             format: o.format.unwrap_or(lt_data::DatasetFormat::Auto),
         })
-    }
-
-    /// Whether this is the built-in demo.
-    pub fn is_demo(&self) -> bool {
-        self.model.is_none()
     }
 }
 
@@ -491,6 +494,8 @@ pub(crate) struct Chosen {
     pub(crate) micro_batch_size: usize,
     pub(crate) budget: ByteSize,
     pub(crate) predicted_step_seconds: Option<f64>,
+    /// The simulator's timeline of one step (auto policy only).
+    pub(crate) predicted_trace: Option<lt_sched::sim::Trace>,
     pub(crate) summary: String,
     pub(crate) plan_json: serde_json::Value,
 }
@@ -513,6 +518,7 @@ pub(crate) fn choose_plan(s: &Settings, cfg: &ModelConfig) -> Result<Chosen> {
         plan,
         budget,
         predicted_step_seconds: None,
+        predicted_trace: None,
     };
     if let Some(path) = &s.plan {
         let p = lt_sched::plan::Plan::load(path)?;
@@ -531,6 +537,7 @@ pub(crate) fn choose_plan(s: &Settings, cfg: &ModelConfig) -> Result<Chosen> {
             micro_batch_size: s.micro_batch_size.unwrap_or(p.micro_batch_size),
             budget,
             predicted_step_seconds: Some(p.predicted.step_seconds),
+            predicted_trace: None,
             summary: format!("plan file {}: predicted step {:.3} s", path.display(), p.predicted.step_seconds),
             plan_json: serde_json::to_value(&p)?,
         });
@@ -543,6 +550,7 @@ pub(crate) fn choose_plan(s: &Settings, cfg: &ModelConfig) -> Result<Chosen> {
             let mut req = lt_sched::planner::PlanRequest::new(s.batch_size, s.seq_len);
             req.micro_batch_size = s.micro_batch_size;
             req.grad_clipping = s.adamw.max_grad_norm.is_some();
+            req.trace = true;
             let out = lt_sched::planner::plan(cfg, &hw, &req)?;
             let p = &out.plan;
             let tiers: Vec<&str> = p
@@ -560,6 +568,7 @@ pub(crate) fn choose_plan(s: &Settings, cfg: &ModelConfig) -> Result<Chosen> {
                 micro_batch_size: p.micro_batch_size,
                 budget,
                 predicted_step_seconds: Some(p.predicted.step_seconds),
+                predicted_trace: Some(out.sim.trace.clone()),
                 summary: format!(
                     "plan (auto, {} profile, solved in {:.0} ms): boundaries [{}] (G gpu, H host, N nvme, . recompute), \
 micro-batch {} x {} accumulation, loss chunk {} tokens; predicted step {:.3} s, predicted peak device {}",
@@ -694,10 +703,17 @@ where
     eprintln!("data: {}", prepared.report.summary());
     anyhow::ensure!(!prepared.train.is_empty(), "no training examples left after preparing the data");
     if let Some(records) = &eval_records {
-        // The held-out questions as a file, so `lt eval` can reproduce the final score.
+        // The evaluated held-out questions (the --eval-limit subset) as a file, so `lt eval --data eval.json`
+        // reproduces the final score question for question.
         let split = lt_data::GroupSplit::new(s.eval_fraction, s.seed)?;
-        let held: Vec<lt_data::MetaMathRecord> =
-            records.iter().filter(|r| split.side(&r.original_question) == lt_data::Side::Eval).cloned().collect();
+        let asked: std::collections::HashSet<(&str, &str)> =
+            prepared.eval_examples.iter().map(|e| (e.query.as_str(), e.kind.as_str())).collect();
+        let held: Vec<lt_data::MetaMathRecord> = records
+            .iter()
+            .filter(|r| split.side(&r.original_question) == lt_data::Side::Eval)
+            .filter(|r| asked.contains(&(r.query.as_str(), r.kind.as_str())))
+            .cloned()
+            .collect();
         crate::fsutil::write_atomic(&s.out.join("eval.json"), lt_data::synth::to_json_array(&held).as_bytes())?;
     }
     // --- plan ---
@@ -814,6 +830,47 @@ where
         pb.finish_and_clear();
         Ok(Some(acc))
     };
+    // Held-out loss on a fixed subset: each example its own right-padded row (causal attention never
+    // sees the padding), the mean over the shifted non-ignored tokens as in training.
+    let eval_rows: Vec<(Vec<u32>, Vec<i64>)> = (0..prepared.eval.len().min(128))
+        .filter_map(|i| {
+            let ids = prepared.eval.ids(i)?.to_vec();
+            let mut labels = Vec::new();
+            prepared.eval.extend_labels(i, &mut labels);
+            Some((ids, labels))
+        })
+        .collect();
+    let eval_loss = |trainer: &mut Trainer<B>| -> Result<Option<f64>> {
+        if eval_rows.is_empty() {
+            return Ok(None);
+        }
+        trainer.flush()?;
+        let snap = trainer.model.snapshot();
+        let dm = DeviceModel::<lt_model::CpuBackend>::from_host(&snap, &Default::default());
+        let (mut sum, mut count) = (0.0f64, 0usize);
+        for rows in eval_rows.chunks(32) {
+            let len = rows.iter().map(|(ids, _)| ids.len()).max().unwrap_or(0);
+            let pad = encoder.tokenizer().pad_id().unwrap_or(0);
+            let ids: Vec<Vec<u32>> = rows.iter().map(|(ids, _)| padded(ids, len, pad)).collect();
+            let labels: Vec<Vec<i64>> = rows.iter().map(|(_, l)| padded(l, len, lt_data::IGNORE_INDEX)).collect();
+            let n = lt_model::model::loss_token_count(&labels);
+            if n == 0 {
+                continue;
+            }
+            let logits = lt_model::model::forward_logits(&dm, &ids);
+            let loss = lt_model::model::to_vec(lt_model::model::causal_lm_loss(logits, &labels));
+            sum += f64::from(loss.first().copied().unwrap_or(f32::NAN)) * n as f64;
+            count += n;
+        }
+        Ok((count > 0).then(|| sum / count as f64))
+    };
+    let log_eval_loss = |trainer: &mut Trainer<B>, metrics: &mut std::fs::File, step: u64| -> Result<()> {
+        if let Some(l) = eval_loss(trainer)? {
+            writeln!(metrics, "{}", serde_json::json!({"step": step, "eval_loss": l}))
+                .with_context(|| format!("{}: write failed", s.metrics.display()))?;
+        }
+        Ok(())
+    };
 
     let pb = crate::progress::bar(s.steps, "train");
     pb.set_position(completed);
@@ -847,6 +904,9 @@ where
         if s.save_every > 0 && m.step % s.save_every == 0 && m.step < s.steps {
             save(&mut trainer, &batcher)?;
         }
+        if s.eval_loss_every > 0 && m.step % s.eval_loss_every == 0 && m.step < s.steps {
+            log_eval_loss(&mut trainer, &mut metrics, m.step)?;
+        }
         if s.eval_every > 0 && m.step % s.eval_every == 0 && m.step < s.steps {
             if let Some(acc) = eval_now(&mut trainer, "eval")? {
                 let line = serde_json::json!({"step": m.step, "eval_exact_match": acc.rate(), "eval": acc});
@@ -871,6 +931,7 @@ where
         &trace_path,
         trainer.trace().chrome_json(last_step.saturating_sub(1)..=last_step).as_bytes(),
     )?;
+    log_eval_loss(&mut trainer, &mut metrics, last_step)?;
     let final_acc = eval_now(&mut trainer, "final eval")?;
     if let Some(acc) = &final_acc {
         let line = serde_json::json!({"step": last_step, "eval_exact_match": acc.rate(), "eval": acc, "final": true});
@@ -892,6 +953,86 @@ where
     if let Some(acc) = &final_acc {
         println!("held-out exact match: {}", acc.summary());
     }
+    metrics.flush().ok();
+    let pictures = write_pictures(s, &chosen, trainer.trace(), last_step)?;
     println!("model: {}  metrics: {}  trace: {}", model_dir.display(), s.metrics.display(), trace_path.display());
+    println!("pictures: {pictures}");
     Ok(())
+}
+
+fn padded<T: Copy>(v: &[T], len: usize, fill: T) -> Vec<T> {
+    let mut out = v.to_vec();
+    out.resize(len, fill);
+    out
+}
+
+/// `loss.png` from the metrics file (so a resumed run plots its whole history) and `timeline.svg` of the
+/// last step, predicted (when the planner ran) above measured. Returns the paths written.
+fn write_pictures(s: &Settings, chosen: &Chosen, trace: &lt_exec::trace::Trace, step: u64) -> Result<String> {
+    use crate::plot::{Panel, Series, Span};
+    let text = std::fs::read_to_string(&s.metrics).unwrap_or_default();
+    let (mut train, mut eval) = (Vec::new(), Vec::new());
+    for v in text.lines().filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()) {
+        let Some(x) = v.get("step").and_then(serde_json::Value::as_f64) else { continue };
+        if let Some(y) = v.get("loss").and_then(serde_json::Value::as_f64) {
+            train.push((x, y));
+        }
+        if let Some(y) = v.get("eval_loss").and_then(serde_json::Value::as_f64) {
+            eval.push((x, y));
+        }
+    }
+    let mut series = vec![Series { label: "train loss".into(), color: [31, 119, 180], points: train, dots: false }];
+    if !eval.is_empty() {
+        series.push(Series { label: "eval loss".into(), color: [214, 39, 40], points: eval, dots: true });
+    }
+    let loss_png = s.out.join("loss.png");
+    crate::fsutil::write_atomic(&loss_png, &crate::plot::line_chart_png("loss", "step", "loss (log)", &series))?;
+
+    let lanes = ["compute", "h2d", "d2h", "nvme", "optimizer"];
+    let events: Vec<_> = trace.events().into_iter().filter(|e| e.step == step).collect();
+    let t0 = events.iter().map(|e| e.start_us).fold(f64::INFINITY, f64::min);
+    let measured: Vec<Span> = events
+        .iter()
+        .map(|e| Span {
+            lane: lt_exec::trace::Stream::ALL.iter().position(|x| *x == e.stream).unwrap_or(0),
+            start: (e.start_us - t0) / 1e6,
+            dur: e.dur_us / 1e6,
+            name: e.name.clone(),
+            wait: e.waited_on.is_some(),
+        })
+        .collect();
+    let measured_step = measured.iter().map(|x| x.start + x.dur).fold(0.0f64, f64::max);
+    let mut panels = Vec::new();
+    if let Some(pred) = &chosen.predicted_trace {
+        let spans: Vec<Span> = pred
+            .trace_events
+            .iter()
+            .filter(|e| e.ph == "X")
+            .filter_map(|e| {
+                Some(Span {
+                    lane: e.tid as usize,
+                    start: e.ts? / 1e6,
+                    dur: e.dur? / 1e6,
+                    name: e.name.clone(),
+                    wait: false,
+                })
+            })
+            .collect();
+        panels.push(Panel {
+            title: format!(
+                "predicted (simulator, {} profile): step {:.1} ms",
+                s.hardware,
+                chosen.predicted_step_seconds.unwrap_or(0.0) * 1e3
+            ),
+            spans,
+        });
+    }
+    panels.push(Panel {
+        title: format!("measured: step {:.1} ms (red: compute waiting on a transfer = exposed)", measured_step * 1e3),
+        spans: measured,
+    });
+    let svg = crate::plot::timeline_svg(&format!("step {step}: per-stream timeline"), &lanes, &panels);
+    let timeline = s.out.join("timeline.svg");
+    crate::fsutil::write_atomic(&timeline, svg.as_bytes())?;
+    Ok(format!("{}  {}", loss_png.display(), timeline.display()))
 }
