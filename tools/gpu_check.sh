@@ -1,0 +1,202 @@
+#!/usr/bin/env bash
+# The one check to run on a lent H200 machine (16 cores, 128 GiB RAM, no cargo, no network), with a
+# carried `lt` binary built with `cargo build --release -p lt-cli --features cuda`.
+#
+#   tools/gpu_check.sh [LT]            # LT: $1, else $LT_BIN, else ./target/release/lt
+#   OUT=/tmp/x BATCH=8 tools/gpu_check.sh target-cuda/release/lt
+#
+# Steps, each under its own `timeout` and capped by the overall budget so one hang cannot eat it:
+#   1. lt selftest --device cuda --json      CUDA vs CPU parity on the tiny fixtures (tools/fixtures/)
+#   2. lt profile  --device cuda --json      writes $OUT/h200-measured.toml
+#   3. lt bench train, Qwen2.5-7B (random init), seq 1024, batch $BATCH, steps 3 + 1 warm-up, policy
+#      auto and then megatrain, on the measured profile if step 2 wrote one (else the built-in h200)
+#   4. $OUT/gpu_check.json: nvidia-smi, host facts, and per step the command, exit code, seconds,
+#      whether it timed out, the last stdout line (each lt command ends with one JSON line) and the
+#      tail of stderr. It is rewritten after every step, so a killed run still leaves what finished.
+# A failed step is recorded and the next one runs. Needs bash and coreutils only (no jq, no python).
+# Knobs (environment): OUT, BATCH (8), SEQ (1024), STEPS (3), WARMUP (1), MODEL, FIXTURES, and the
+# limits in seconds BUDGET_S (480 in all), SELFTEST_S (90), PROFILE_S (100), BENCH_S (140 per policy).
+# Exit code: 0 when every step passed, 1 otherwise.
+
+set -u -o pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+LT=${1:-${LT_BIN:-./target/release/lt}}
+OUT=${OUT:-./gpu-check-out}
+BATCH=${BATCH:-8}
+SEQ=${SEQ:-1024}
+STEPS=${STEPS:-3}
+WARMUP=${WARMUP:-1}
+MODEL=${MODEL:-$ROOT/configs/models/qwen2.5-7b.json}
+FIXTURES=${FIXTURES:-$ROOT/tools/fixtures}
+# Seconds: the whole script, and each step at most (a step gets less when the budget runs short).
+BUDGET_S=${BUDGET_S:-480}
+SELFTEST_S=${SELFTEST_S:-90}
+PROFILE_S=${PROFILE_S:-100}
+BENCH_S=${BENCH_S:-140}
+
+mkdir -p "$OUT/logs" || { echo "gpu_check: cannot create $OUT" >&2; exit 1; }
+JSON="$OUT/gpu_check.json"
+STARTED=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+T0=$SECONDS
+STEP_JSON=()
+FAILED=0
+
+# A JSON string literal of "$1": backslash, quote and control characters escaped.
+json_str() {
+    local s
+    s=$(printf '%s' "$1" | tr -d '\000-\010\013\014\016-\037')
+    s=${s//\\/\\\\}
+    s=${s//\"/\\\"}
+    s=${s//$'\t'/\\t}
+    s=${s//$'\r'/\\r}
+    s=${s//$'\n'/\\n}
+    printf '"%s"' "$s"
+}
+
+# The last non-empty line of file "$1" if it looks like one JSON object, else null.
+json_line() {
+    local line
+    line=$(grep -v '^[[:space:]]*$' "$1" 2>/dev/null | tail -n 1)
+    if [[ $line == \{*\} ]]; then printf '%s' "$line"; else printf 'null'; fi
+}
+
+# A number field of a one-line JSON object (compact serde_json output), or empty.
+json_num() {
+    printf '%s' "$1" | sed -n "s/.*\"$2\":[[:space:]]*\\([-0-9.eE+]*\\).*/\\1/p" | head -n 1
+}
+
+write_json() {
+    local steps="" i
+    for i in "${!STEP_JSON[@]}"; do
+        [[ $i -gt 0 ]] && steps+=","
+        steps+=$'\n    '"${STEP_JSON[$i]}"
+    done
+    {
+        printf '{\n'
+        printf '  "script": "tools/gpu_check.sh",\n'
+        printf '  "started": %s,\n' "$(json_str "$STARTED")"
+        printf '  "finished": %s,\n' "$(json_str "$(date -u +%Y-%m-%dT%H:%M:%SZ)")"
+        printf '  "elapsed_seconds": %d,\n' "$((SECONDS - T0))"
+        printf '  "lt": %s,\n' "$(json_str "$LT")"
+        printf '  "lt_version": %s,\n' "$(json_str "$LT_VERSION")"
+        printf '  "settings": {"batch_size": %d, "seq_len": %d, "steps": %d, "warmup": %d, "model_config": %s, "budget_seconds": %d},\n' \
+            "$BATCH" "$SEQ" "$STEPS" "$WARMUP" "$(json_str "$MODEL")" "$BUDGET_S"
+        printf '  "host": {"nproc": %s, "mem_total_kib": %s, "kernel": %s},\n' \
+            "$(nproc 2>/dev/null || echo null)" "${MEM_KIB:-null}" "$(json_str "$(uname -r)")"
+        printf '  "nvidia_smi_rc": %d,\n' "$SMI_RC"
+        printf '  "nvidia_smi_query": %s,\n' "$(json_str "$SMI_QUERY")"
+        printf '  "nvidia_smi": %s,\n' "$(json_str "$SMI_FULL")"
+        printf '  "hardware_used": %s,\n' "$(json_str "${HARDWARE:-}")"
+        printf '  "summary": %s,\n' "${SUMMARY_JSON:-null}"
+        printf '  "steps": [%s\n  ]\n' "$steps"
+        printf '}\n'
+    } >"$JSON.tmp" && mv "$JSON.tmp" "$JSON"
+}
+
+# run_step NAME LIMIT_S CMD...: run under timeout, log stdout/stderr, record the step. Sets RC and
+# LAST (the step's last JSON line or null).
+run_step() {
+    local name=$1 limit=$2
+    shift 2
+    local left=$((BUDGET_S - (SECONDS - T0)))
+    [[ $limit -gt $left ]] && limit=$left
+    local out="$OUT/logs/$name.stdout" err="$OUT/logs/$name.stderr" t=$SECONDS timed_out=false
+    if [[ $limit -lt 5 ]]; then
+        echo "gpu_check: $name: skipped, the ${BUDGET_S} s budget is spent" >&2
+        RC=-1
+        LAST=null
+        : >"$out"
+        echo "not run: the ${BUDGET_S} s budget is spent" >"$err"
+    else
+        echo "gpu_check: $name (limit ${limit} s): $*" >&2
+        timeout -k 10 "$limit" "$@" >"$out" 2>"$err"
+        RC=$?
+        LAST=$(json_line "$out")
+    fi
+    [[ $RC -eq 124 || $RC -eq 137 ]] && timed_out=true
+    local secs=$((SECONDS - t)) cmd
+    cmd=$(printf '%q ' "$@")
+    STEP_JSON+=("{\"name\": $(json_str "$name"), \"command\": $(json_str "${cmd% }"), \"exit_code\": $RC, \"seconds\": $secs, \"timed_out\": $timed_out, \"limit_seconds\": $limit, \"result\": $LAST, \"stderr_tail\": $(json_str "$(tail -n 25 "$err" 2>/dev/null)")}")
+    [[ $RC -ne 0 ]] && FAILED=$((FAILED + 1))
+    echo "gpu_check: $name: exit $RC in ${secs} s$([[ $timed_out == true ]] && echo ' (timed out)')" >&2
+    write_json
+}
+
+# Facts first: they cost nothing and explain everything after.
+if command -v nvidia-smi >/dev/null 2>&1; then
+    SMI_QUERY=$(timeout 20 nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max \
+        --format=csv,noheader 2>&1)
+    SMI_RC=$?
+    SMI_FULL=$(timeout 20 nvidia-smi 2>&1)
+else
+    SMI_QUERY="nvidia-smi not found"
+    SMI_RC=127
+    SMI_FULL=""
+fi
+MEM_KIB=$(sed -n 's/^MemTotal:[[:space:]]*\([0-9]*\) kB/\1/p' /proc/meminfo 2>/dev/null)
+LT_VERSION=""
+HARDWARE=""
+SUMMARY_JSON=null
+if [[ -x $LT ]]; then
+    LT_VERSION=$(timeout 20 "$LT" --version 2>&1 | head -n 1)
+else
+    LT_VERSION="missing: $LT is not an executable file"
+    echo "gpu_check: $LT is not an executable file; every step will fail" >&2
+fi
+write_json
+
+# 1. Backend parity.
+run_step selftest "$SELFTEST_S" "$LT" selftest --device cuda --fixtures "$FIXTURES" --json
+# Every check carries "passed" too, and the overall flag is false when any check is.
+SELFTEST="no result"
+if [[ $LAST == *'"passed":false'* ]]; then
+    SELFTEST="FAILED (see $OUT/logs/selftest.stderr)"
+elif [[ $LAST == *'"passed":true'* ]]; then
+    SELFTEST="passed"
+fi
+
+# 2. Measure the machine.
+PROFILE="$OUT/h200-measured.toml"
+run_step profile "$PROFILE_S" "$LT" profile --device cuda --out "$PROFILE" --json
+if [[ $RC -eq 0 && -s $PROFILE ]]; then HARDWARE=$PROFILE; else HARDWARE=h200; fi
+
+# 3. One streamed training benchmark, both policies in this run.
+for POLICY in auto megatrain; do
+    run_step "bench-$POLICY" "$BENCH_S" "$LT" bench train --model-config "$MODEL" --batch-size "$BATCH" \
+        --seq-len "$SEQ" --policy "$POLICY" --steps "$STEPS" --warmup "$WARMUP" --device cuda \
+        --hardware "$HARDWARE" --json
+    declare "BENCH_${POLICY}=$LAST"
+done
+
+# 4. Summary.
+TF_AUTO=$(json_num "${BENCH_auto:-}" tflops_6pt)
+TF_MT=$(json_num "${BENCH_megatrain:-}" tflops_6pt)
+STEP_AUTO=$(json_num "${BENCH_auto:-}" step_seconds)
+STEP_MT=$(json_num "${BENCH_megatrain:-}" step_seconds)
+PRED_AUTO=$(json_num "${BENCH_auto:-}" predicted_step_seconds)
+PRED_MT=$(json_num "${BENCH_megatrain:-}" predicted_step_seconds)
+RATIO=""
+if [[ -n $TF_AUTO && -n $TF_MT ]]; then
+    RATIO=$(awk -v a="$TF_AUTO" -v b="$TF_MT" 'BEGIN { if (b > 0) printf "%.3f", a / b }')
+fi
+num_or_null() { if [[ -n $1 ]]; then printf '%s' "$1"; else printf 'null'; fi; }
+SUMMARY_JSON="{\"selftest\": $(json_str "$SELFTEST"), \"tflops_6pt_auto\": $(num_or_null "$TF_AUTO"), \"tflops_6pt_megatrain\": $(num_or_null "$TF_MT"), \"auto_over_megatrain_tflops\": $(num_or_null "$RATIO"), \"step_seconds_auto\": $(num_or_null "$STEP_AUTO"), \"step_seconds_megatrain\": $(num_or_null "$STEP_MT"), \"predicted_step_seconds_auto\": $(num_or_null "$PRED_AUTO"), \"predicted_step_seconds_megatrain\": $(num_or_null "$PRED_MT"), \"failed_steps\": $FAILED}"
+write_json
+
+echo
+echo "gpu_check summary ($((SECONDS - T0)) s, results in $JSON)"
+echo "  GPU:        ${SMI_QUERY:-none} (nvidia-smi exit $SMI_RC)"
+echo "  lt:         $LT ($LT_VERSION)"
+for i in "${!STEP_JSON[@]}"; do
+    s=${STEP_JSON[$i]}
+    name=$(printf '%s' "$s" | sed -n 's/^{"name": "\([^"]*\)".*/\1/p')
+    rc=$(printf '%s' "$s" | sed -n 's/.*"exit_code": \(-\{0,1\}[0-9]*\),.*/\1/p')
+    secs=$(printf '%s' "$s" | sed -n 's/.*"seconds": \([0-9]*\),.*/\1/p')
+    printf '  %-16s exit %s in %s s\n' "$name" "$rc" "$secs"
+done
+echo "  selftest:   $SELFTEST"
+echo "  hardware:   ${HARDWARE:-none}"
+echo "  $(basename "$MODEL" .json) batch $BATCH x seq $SEQ: auto ${TF_AUTO:-?} TFLOPS (${STEP_AUTO:-?} s/step, predicted ${PRED_AUTO:-?}), megatrain ${TF_MT:-?} TFLOPS (${STEP_MT:-?} s/step, predicted ${PRED_MT:-?})"
+echo "  auto/megatrain TFLOPS ratio: ${RATIO:-n/a}"
+[[ $FAILED -eq 0 ]]
