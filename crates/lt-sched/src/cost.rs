@@ -21,8 +21,9 @@
 //! - **Optimizer**: fp32 AdamW on the host, per layer. The global gradient norm is accumulated as
 //!   gradients land (no extra pass).
 //! - **Memory**: two device weight buffers and two gradient buffers of the largest layer, one slot for
-//!   a prefetched boundary; on the host 16 B/param (fp32 master 4, AdamW m and v 8, pinned bf16 upload
-//!   copy 2, pinned bf16 gradient landing buffer 2), plus 4 B/param of fp32 accumulator when
+//!   a prefetched boundary; on the host 16 B/param with fp32 AdamW (fp32 master 4, m and v 8, pinned
+//!   bf16 upload copy 2, pinned bf16 gradient landing buffer 2) or 10.03 B/param with 8-bit AdamW
+//!   ([`OptimizerState`]), plus 4 B/param of fp32 accumulator when
 //!   accumulating micro-batches, plus four boundary-sized pinned buffers.
 //!
 //! FLOPs count multiply-adds as 2; elementwise work is not counted but is covered by the profile's
@@ -47,11 +48,36 @@ pub enum AttentionKernel {
     Materialized,
 }
 
+/// Precision of the host optimizer's AdamW moments (host memory only: the update speed is the profile's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OptimizerState {
+    /// fp32 m and v: 8 B/param (PyTorch AdamW; what the published system used for ~98% of parameters).
+    #[default]
+    Fp32,
+    /// Block-wise 8-bit m and v with one fp32 absmax per 256 values: 2 + 8/256 B/param (lt-optim's
+    /// `adamw8bit`; tensors under 4,096 elements keep fp32 state, a negligible share).
+    Blockwise8bit,
+}
+
+impl OptimizerState {
+    /// Host bytes per parameter of the two moments.
+    pub fn bytes_per_param(self) -> f64 {
+        match self {
+            OptimizerState::Fp32 => 8.0,
+            OptimizerState::Blockwise8bit => 2.0 + 8.0 / 256.0,
+        }
+    }
+}
+
 /// Modelling options that are not properties of the machine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct CostOptions {
     /// Attention kernel of the executor.
     pub attention: AttentionKernel,
+    /// Precision of the optimizer state (host memory).
+    #[serde(default)]
+    pub optimizer: OptimizerState,
 }
 
 /// The step shape: every plan-level decision except the boundary placements.
@@ -166,9 +192,9 @@ pub struct Instance {
 /// Chunk length of the chunked Gated DeltaNet algorithm (flash-linear-attention's default).
 const DELTA_CHUNK: f64 = 64.0;
 
-/// Host bytes per parameter of optimizer state: fp32 master (4) + AdamW m and v (8). The pinned
-/// upload copy and gradient landing buffer (one compute-dtype element each) come on top.
-const HOST_STATE_BYTES_PER_PARAM: f64 = 12.0;
+/// Host bytes per parameter of the fp32 master weights. AdamW's m and v ([`OptimizerState`]), the pinned
+/// upload copy and the gradient landing buffer (one compute-dtype element each) come on top.
+const HOST_MASTER_BYTES_PER_PARAM: f64 = 4.0;
 
 /// Extra host bytes per parameter when accumulating over micro-batches: an fp32 gradient accumulator.
 const HOST_ACCUM_BYTES_PER_PARAM: f64 = 4.0;
@@ -257,7 +283,8 @@ impl Instance {
         let accum = if cfg.grad_accum_steps > 1 { HOST_ACCUM_BYTES_PER_PARAM } else { 0.0 };
         // Four boundary-sized pinned buffers: two NVMe staging buffers, boundary 0 after the host-side
         // embedding gather, and the landing buffer of dx_0.
-        let host_static = total_params as f64 * (HOST_STATE_BYTES_PER_PARAM + 2.0 * d + accum) + 4.0 * a_bytes;
+        let state = HOST_MASTER_BYTES_PER_PARAM + opts.optimizer.bytes_per_param();
+        let host_static = total_params as f64 * (state + 2.0 * d + accum) + 4.0 * a_bytes;
         let embed_params = head_params as f64;
         let norm_params = h;
         let (opt_embed, opt_head) = if model.tie_word_embeddings {
@@ -489,9 +516,24 @@ mod tests {
         let m = qwen2_tiny();
         let hw = BuiltinProfile::Cpu.profile();
         let f = Instance::from_model(&m, &hw, 256, &cfg(2), CostOptions::default()).unwrap();
-        let opts = CostOptions { attention: AttentionKernel::Materialized };
+        let opts = CostOptions { attention: AttentionKernel::Materialized, ..Default::default() };
         let x = Instance::from_model(&m, &hw, 256, &cfg(2), opts).unwrap();
         assert!(x.layers[0].bwd_workspace_bytes > f.layers[0].bwd_workspace_bytes);
         assert!(x.layers[0].fwd_flops > f.layers[0].fwd_flops);
+    }
+
+    #[test]
+    fn eight_bit_optimizer_state_saves_its_bytes_of_host_memory() {
+        let m = qwen2_tiny();
+        let hw = BuiltinProfile::Cpu.profile();
+        let fp32 = Instance::from_model(&m, &hw, 64, &cfg(2), CostOptions::default()).unwrap();
+        let opts = CostOptions { optimizer: OptimizerState::Blockwise8bit, ..Default::default() };
+        let q8 = Instance::from_model(&m, &hw, 64, &cfg(2), opts).unwrap();
+        let saved = fp32.host_static_bytes - q8.host_static_bytes;
+        let want = m.total_params() as f64 * (8.0 - 2.03125);
+        assert!((saved - want).abs() < 1e-6 * want, "{saved} vs {want}");
+        // Nothing else changes.
+        assert_eq!(fp32.gpu_static_bytes, q8.gpu_static_bytes);
+        assert_eq!(fp32.layers, q8.layers);
     }
 }

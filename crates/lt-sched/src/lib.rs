@@ -39,7 +39,7 @@ pub mod planner;
 pub mod sim;
 pub mod window;
 
-pub use cost::{CostOptions, ExecConfig, Instance};
+pub use cost::{CostOptions, ExecConfig, Instance, OptimizerState};
 pub use error::SchedError;
 pub use plan::{OptimizerOverlap, Placement, Plan, Tier};
 pub use sim::{SimReport, simulate};

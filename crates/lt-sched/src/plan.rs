@@ -20,7 +20,7 @@ use lt_core::hardware::HardwareProfile;
 use serde::{Deserialize, Serialize};
 
 use crate::SchedError;
-use crate::cost::{AttentionKernel, ExecConfig};
+use crate::cost::{AttentionKernel, ExecConfig, OptimizerState};
 
 /// The plan file version this build writes and reads.
 pub const PLAN_VERSION: u32 = 1;
@@ -253,6 +253,9 @@ pub struct Plan {
     /// Attention kernel the costs assumed.
     #[serde(default)]
     pub attention: AttentionKernel,
+    /// Optimizer-state precision the host memory assumed.
+    #[serde(default)]
+    pub optimizer_state: OptimizerState,
     /// Placement of boundaries `0..=L`.
     pub boundaries: Vec<Placement>,
     /// Predicted figures.
@@ -452,6 +455,7 @@ mod tests {
             optimizer_overlap: OptimizerOverlap::OverlapNextForward,
             retain_all_logits: false,
             attention: AttentionKernel::Flash,
+            optimizer_state: OptimizerState::Fp32,
             boundaries,
             predicted: Predicted::default(),
             solver: SolverInfo { method: SolveMethod::Milp, solve_seconds: 0.0, mip_gap: None, warnings: vec![] },

@@ -359,6 +359,7 @@ fn build_plan(
         optimizer_overlap: cfg.optimizer_overlap,
         retain_all_logits: cfg.retain_all_logits,
         attention: req.cost.attention,
+        optimizer_state: req.cost.optimizer,
         boundaries: placements,
         predicted: Predicted {
             step_seconds: sim.step_seconds,

@@ -70,6 +70,9 @@ pub struct PlanArgs {
     /// Longest recomputed segment the planner considers.
     #[arg(long, default_value_t = planner::DEFAULT_MAX_SEGMENT_LEN)]
     pub max_segment_len: usize,
+    /// Optimizer-state precision, for host memory (as `lt train --optimizer`).
+    #[arg(long, value_enum, default_value_t = crate::cmd::train::OptimizerChoice::Adamw8bit)]
+    pub optimizer: crate::cmd::train::OptimizerChoice,
 }
 
 /// `--optimizer-overlap` choices.
@@ -130,6 +133,7 @@ fn setup(args: &PlanArgs) -> Result<Setup> {
             AttentionArg::Flash => AttentionKernel::Flash,
             AttentionArg::Materialized => AttentionKernel::Materialized,
         },
+        optimizer: args.optimizer.state(),
     };
     let model_name = model_name(&args.model_config);
     Ok(Setup { model, model_name, hw, req })

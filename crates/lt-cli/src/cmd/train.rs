@@ -53,6 +53,16 @@ pub enum OptimizerChoice {
     Adamw8bit,
 }
 
+impl OptimizerChoice {
+    /// What the planner's host-memory model assumes for this choice.
+    pub fn state(self) -> lt_sched::cost::OptimizerState {
+        match self {
+            OptimizerChoice::Adamw => lt_sched::cost::OptimizerState::Fp32,
+            OptimizerChoice::Adamw8bit => lt_sched::cost::OptimizerState::Blockwise8bit,
+        }
+    }
+}
+
 /// Compute device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -551,6 +561,7 @@ pub(crate) fn choose_plan(s: &Settings, cfg: &ModelConfig) -> Result<Chosen> {
             req.micro_batch_size = s.micro_batch_size;
             req.grad_clipping = s.adamw.max_grad_norm.is_some();
             req.trace = true;
+            req.cost.optimizer = s.optimizer.state();
             let out = lt_sched::planner::plan(cfg, &hw, &req)?;
             let p = &out.plan;
             let tiers: Vec<&str> = p
