@@ -60,6 +60,9 @@ impl Default for Trace {
     }
 }
 
+/// Steps of events a [`Trace`] keeps (the reports use the last one or two).
+pub const KEEP_STEPS: u64 = 8;
+
 impl Trace {
     /// A trace starting now.
     pub fn new() -> Self {
@@ -68,6 +71,12 @@ impl Trace {
 
     fn push(&self, e: Event) {
         if let Ok(mut v) = self.events.lock() {
+            // Keep the last KEEP_STEPS steps: a long run must not grow the trace (and the per-step
+            // summary, which scans it) without bound. Pruned in batches, so pushing stays O(1) amortised.
+            let newest = e.step;
+            if v.first().is_some_and(|f| f.step + 2 * KEEP_STEPS <= newest) {
+                v.retain(|x| x.step + KEEP_STEPS > newest);
+            }
             v.push(e);
         }
     }
@@ -104,7 +113,7 @@ impl Trace {
         self.push(Event { stream, name, start_us, dur_us, step, waited_on });
     }
 
-    /// A copy of the events so far.
+    /// A copy of the events of the last [`KEEP_STEPS`] or more steps.
     pub fn events(&self) -> Vec<Event> {
         self.events.lock().map(|v| v.clone()).unwrap_or_default()
     }
@@ -200,6 +209,20 @@ pub struct StepTiming {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_recent_steps_are_kept() {
+        let t = Trace::new();
+        for step in 0..100 {
+            t.span(Stream::Compute, step, "op", || ());
+            t.span(Stream::H2d, step, "op", || ());
+        }
+        let steps: std::collections::BTreeSet<u64> = t.events().iter().map(|e| e.step).collect();
+        assert!(steps.len() as u64 >= KEEP_STEPS && steps.len() as u64 <= 2 * KEEP_STEPS, "{steps:?}");
+        assert_eq!(steps.last(), Some(&99));
+        assert_eq!(t.events().iter().filter(|e| e.step == 99).count(), 2);
+        assert_eq!(t.summary(0).step_seconds, 0.0, "step 0 was pruned");
+    }
 
     #[test]
     fn waits_count_as_exposure_of_the_awaited_stream() {
