@@ -33,6 +33,11 @@ enum Command {
     /// Micro-benchmarks of the subsystems.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Measure this machine (transfers, GEMM, a decoder layer, disk, host optimizer) and write a
+    /// hardware profile for `--hardware FILE`.
+    Profile(cmd::profile::ProfileArgs),
+    /// Check the compute backend against the CPU reference on the tiny fixture models.
+    Selftest(cmd::selftest::SelftestArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -41,6 +46,8 @@ enum BenchCommand {
     Optimizer(cmd::bench_optimizer::BenchOptimizerArgs),
     /// Activation spill engine throughput (io_uring, pread, mmap).
     Spill(cmd::bench_spill::BenchSpillArgs),
+    /// Streamed training throughput on a randomly initialised model (TFLOPS, tokens/s, memory).
+    Train(Box<cmd::bench_train::BenchTrainArgs>),
 }
 
 fn main() {
@@ -52,6 +59,9 @@ fn main() {
         Command::Plan(a) => cmd::plan::run(a),
         Command::Bench(BenchCommand::Optimizer(a)) => cmd::bench_optimizer::run(a),
         Command::Bench(BenchCommand::Spill(a)) => cmd::bench_spill::run(a),
+        Command::Bench(BenchCommand::Train(a)) => cmd::bench_train::run(a),
+        Command::Profile(a) => cmd::profile::run(a),
+        Command::Selftest(a) => cmd::selftest::run(a),
     };
     if let Err(e) = result {
         // One line: the error and its causes, outermost first. Library errors often print their

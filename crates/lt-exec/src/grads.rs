@@ -7,6 +7,8 @@ use std::sync::Mutex;
 
 use lt_model::host::HostModel;
 
+use crate::state::SharedModel;
+
 /// Gradients of the embedding, final norm and untied head.
 #[derive(Debug, Clone, PartialEq)]
 pub struct HeadGrads {
@@ -44,6 +46,27 @@ impl HostGrads {
                 embed_tokens: vec![0.0; host.embed_tokens.data.len()],
                 norm: vec![0.0; host.norm.data.len()],
                 lm_head: host.lm_head.as_ref().map(|t| vec![0.0; t.data.len()]),
+            }),
+        }
+    }
+
+    /// Zero gradients shaped like the masters of `model`, reading only their sizes (no copy of the
+    /// weights is made, unlike [`SharedModel::snapshot`] + [`HostGrads::zeros_like`]).
+    pub fn zeros_like_shared(model: &SharedModel) -> Self {
+        let head = model.head.read().unwrap_or_else(|e| e.into_inner());
+        Self {
+            layers: model
+                .layers
+                .iter()
+                .map(|l| {
+                    let l = l.read().unwrap_or_else(|e| e.into_inner());
+                    Mutex::new(l.tensors.iter().map(|t| vec![0.0; t.data.len()]).collect())
+                })
+                .collect(),
+            head: Mutex::new(HeadGrads {
+                embed_tokens: vec![0.0; head.embed_tokens.data.len()],
+                norm: vec![0.0; head.norm.data.len()],
+                lm_head: head.lm_head.as_ref().map(|t| vec![0.0; t.data.len()]),
             }),
         }
     }

@@ -146,8 +146,8 @@ impl<B: AutodiffBackend> Trainer<B> {
             }
         };
         let pool = ThreadPool::new(opts.threads.max(1)).map_err(ExecError::Optim)?;
-        let snapshot = model.snapshot();
-        let grads = Arc::new(HostGrads::zeros_like(&snapshot));
+        // Shapes only: a snapshot would copy every master weight (4 bytes/param) just to size them.
+        let grads = Arc::new(HostGrads::zeros_like_shared(&model));
         Ok(Self {
             model,
             grads,

@@ -35,3 +35,10 @@ pub type CudaBackend = burn_cuda::Cuda<half::bf16, i32>;
 /// The CUDA backend with autodiff.
 #[cfg(feature = "cuda")]
 pub type CudaAutodiff = burn::backend::Autodiff<CudaBackend>;
+
+/// The CUDA backend in f32: tight numerical checks against the CPU backend (`lt selftest`).
+#[cfg(feature = "cuda")]
+pub type CudaF32Backend = burn_cuda::Cuda<f32, i32>;
+/// The f32 CUDA backend with autodiff.
+#[cfg(feature = "cuda")]
+pub type CudaF32Autodiff = burn::backend::Autodiff<CudaF32Backend>;

@@ -1,0 +1,901 @@
+//! `lt profile`: measure this machine and write a hardware profile (TOML) that `--hardware FILE`
+//! (`lt plan`, `lt train`, `lt bench train`) loads through lt-sched's `load_profile`.
+//!
+//! What is measured, and which profile field it fills:
+//! - **Transfers** (`h2d_gb_per_s`, `d2h_gb_per_s`): on CUDA, uploads and downloads of a large tensor in
+//!   the device dtype through Burn (the path the executor uses; host memory is not pinned), best of
+//!   several, device synchronised before the timer stops. On the CPU executor "transfers" are memory
+//!   copies, so a `memcpy` of the same size stands in (labelled so).
+//! - **GEMM** (`peak_tflops`): the best of several square matmuls (bf16 on CUDA, f32 on ndarray) is
+//!   the *achievable* dense peak that the cost model scales.
+//! - **Decoder layer** (`efficiency`): forward and per-layer backward of one real decoder layer on the
+//!   backend, fitted so that lt-sched's cost model (its own FLOP accounting, the default attention
+//!   kernel, the `gemm_half_efficiency_rows` knee) reproduces the measured layer time against the
+//!   measured peak. This is the calibration `docs/architecture.md` asks for.
+//! - **Disk** (`nvme_write_gb_per_s`, `nvme_read_gb_per_s`): lt-storage's spill store (io_uring, O_DIRECT
+//!   where allowed, with its automatic fallbacks) writing then reading back a few large values.
+//! - **Host optimizer** (`optimizer_gparams_per_s`): lt-optim's AdamW update (8-bit by default, as
+//!   `lt train` runs) over fp32 gradients with all cores.
+//! - **Memory** (`host_memory`, and `gpu_memory` on CUDA when `nvidia-smi` answers).
+//!
+//! Every other field is copied from the base profile (`--base`), and the file says so field by field.
+
+use std::collections::VecDeque;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use burn::tensor::backend::{AutodiffBackend, Backend, BackendTypes};
+use burn::tensor::{Distribution, Tensor, TensorData};
+use clap::ValueEnum;
+use lt_core::ByteSize;
+use lt_core::ModelConfig;
+use lt_core::hardware::{BuiltinProfile, HardwareProfile};
+use lt_model::host::HostModel;
+use lt_model::layer::{SeqCtx, layer_backward, layer_forward};
+use lt_model::weights::LayerWeights;
+use lt_optim::{AdamW, AdamWConfig, Grad, OptimizerKind, StepOutcome, ThreadPool};
+use lt_sched::cost::{CostOptions, ExecConfig, Instance};
+use lt_storage::spill::{SpillBuf, SpillConfig, SpillStore, Ticket};
+
+use super::train::{DeviceChoice, OptimizerChoice};
+
+/// Built-in profile the unmeasured fields come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BaseArg {
+    /// NVIDIA H800 80 GB (the published machine).
+    H800,
+    /// NVIDIA H200 141 GB (the project's device machine).
+    H200,
+    /// NVIDIA RTX 3090 24 GB.
+    Rtx3090,
+    /// The CPU executor on the development box.
+    Cpu,
+}
+
+impl BaseArg {
+    fn builtin(self) -> BuiltinProfile {
+        match self {
+            BaseArg::H800 => BuiltinProfile::H800,
+            BaseArg::H200 => BuiltinProfile::H200,
+            BaseArg::Rtx3090 => BuiltinProfile::Rtx3090,
+            BaseArg::Cpu => BuiltinProfile::Cpu,
+        }
+    }
+}
+
+/// A measurement that can be skipped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Part {
+    /// Host-to-device and device-to-host bandwidth.
+    Transfers,
+    /// GEMM throughput.
+    Gemm,
+    /// Decoder-layer efficiency (needs the GEMM figure).
+    Layer,
+    /// Spill-store (NVMe) write and read bandwidth.
+    Disk,
+    /// Host optimizer throughput.
+    Optimizer,
+}
+
+/// Arguments of `lt profile`.
+#[derive(Debug, Clone, clap::Args)]
+#[command(after_help = "Examples:\n  lt profile --device cuda --out h200-measured.toml\n  \
+lt profile --device cpu --out cpu.toml --quick\n  lt plan --model-config configs/models/qwen2.5-7b.json \
+--hardware h200-measured.toml --batch-size 8 --seq-len 1024")]
+pub struct ProfileArgs {
+    /// Device to measure.
+    #[arg(long, value_enum, default_value = "cpu")]
+    pub device: DeviceChoice,
+    /// Where to write the hardware profile (TOML).
+    #[arg(long, value_name = "FILE.toml")]
+    pub out: PathBuf,
+    /// Built-in profile the unmeasured fields are copied from [default: cpu for --device cpu, h200
+    /// for --device cuda].
+    #[arg(long, value_enum)]
+    pub base: Option<BaseArg>,
+    /// Name written into the profile [default: <base>-measured].
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Small sizes (seconds instead of about a minute): for tests and smoke runs; the figures are
+    /// rougher.
+    #[arg(long)]
+    pub quick: bool,
+    /// Measurements to skip (comma-separated); skipped fields keep the base profile's value.
+    #[arg(long, value_enum, value_delimiter = ',')]
+    pub skip: Vec<Part>,
+    /// Folder for the disk measurement (put it on the disk you will spill to) [default: the system
+    /// temp dir].
+    #[arg(long, value_name = "DIR")]
+    pub spill_dir: Option<PathBuf>,
+    /// Optimizer whose speed goes into `optimizer_gparams_per_s` (both are measured).
+    #[arg(long, value_enum, default_value = "adamw8bit")]
+    pub optimizer: OptimizerChoice,
+    /// Host optimizer threads [default: all cores].
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Print one JSON object (measurements and the written profile) as the only stdout line; progress
+    /// lines still go to stderr.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Sizes of every measurement.
+#[derive(Debug, Clone, Copy)]
+struct Sizes {
+    transfer_bytes: usize,
+    transfer_reps: usize,
+    gemm_n: usize,
+    gemm_reps: usize,
+    disk_total: u64,
+    disk_value: usize,
+    optimizer_params: usize,
+}
+
+impl Sizes {
+    fn new(device: DeviceChoice, quick: bool) -> Self {
+        match (device, quick) {
+            (DeviceChoice::Cuda, false) => Sizes {
+                transfer_bytes: 256 << 20,
+                transfer_reps: 5,
+                gemm_n: 8192,
+                gemm_reps: 10,
+                disk_total: 1 << 30,
+                disk_value: 64 << 20,
+                optimizer_params: 32 << 20,
+            },
+            (DeviceChoice::Cpu, false) => Sizes {
+                transfer_bytes: 256 << 20,
+                transfer_reps: 5,
+                gemm_n: 1024,
+                gemm_reps: 3,
+                disk_total: 1 << 30,
+                disk_value: 64 << 20,
+                optimizer_params: 32 << 20,
+            },
+            (DeviceChoice::Cuda, true) => Sizes {
+                transfer_bytes: 64 << 20,
+                transfer_reps: 3,
+                gemm_n: 4096,
+                gemm_reps: 3,
+                disk_total: 64 << 20,
+                disk_value: 16 << 20,
+                optimizer_params: 4 << 20,
+            },
+            (DeviceChoice::Cpu, true) => Sizes {
+                transfer_bytes: 16 << 20,
+                transfer_reps: 3,
+                gemm_n: 256,
+                gemm_reps: 3,
+                disk_total: 16 << 20,
+                disk_value: 4 << 20,
+                optimizer_params: 1 << 20,
+            },
+        }
+    }
+}
+
+/// The decoder layer used for the efficiency fit: Qwen2.5-7B's shape on CUDA, a small Qwen2 layer on
+/// the CPU (ndarray is about 1000x slower). One layer and a tiny vocabulary, so it builds in a moment.
+fn layer_config(device: DeviceChoice, quick: bool) -> Result<(ModelConfig, usize)> {
+    let (h, inter, heads, kv, seq) = match (device, quick) {
+        (DeviceChoice::Cuda, false) => (3584, 18944, 28, 4, 2048),
+        (DeviceChoice::Cuda, true) => (3584, 18944, 28, 4, 512),
+        (DeviceChoice::Cpu, false) => (512, 1536, 8, 2, 256),
+        (DeviceChoice::Cpu, true) => (128, 256, 2, 1, 32),
+    };
+    let json = serde_json::json!({
+        "model_type": "qwen2", "vocab_size": 256, "hidden_size": h, "intermediate_size": inter,
+        "num_hidden_layers": 1, "num_attention_heads": heads, "num_key_value_heads": kv,
+        "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": true, "max_position_embeddings": 32768,
+    });
+    Ok((ModelConfig::from_json_str(&json.to_string())?, seq))
+}
+
+/// Everything measured (absent: skipped or not applicable).
+#[derive(Debug, Default, Clone, serde::Serialize)]
+struct Measured {
+    h2d_gb_per_s: Option<f64>,
+    d2h_gb_per_s: Option<f64>,
+    /// CUDA: uploads of fp32 host data as the executor does them (converted to the device dtype),
+    /// bytes counted in the device dtype.
+    h2d_executor_path_gb_per_s: Option<f64>,
+    transfer_source: Option<String>,
+    transfer_bytes: Option<usize>,
+    gemm_tflops: Option<f64>,
+    gemm_n: Option<usize>,
+    gemm_dtype: Option<String>,
+    layer_fwd_seconds: Option<f64>,
+    layer_bwd_seconds: Option<f64>,
+    layer_tokens: Option<usize>,
+    layer_hidden: Option<usize>,
+    layer_model_flops: Option<f64>,
+    efficiency: Option<f64>,
+    efficiency_clamped: bool,
+    nvme_write_gb_per_s: Option<f64>,
+    nvme_read_gb_per_s: Option<f64>,
+    disk_engine: Option<String>,
+    disk_o_direct: Option<bool>,
+    disk_bytes: Option<u64>,
+    adamw8bit_gparams_per_s: Option<f64>,
+    adamw_gparams_per_s: Option<f64>,
+    optimizer_params: Option<usize>,
+    optimizer_threads: Option<usize>,
+    host_memory_available: Option<u64>,
+    gpu_memory_total: Option<u64>,
+}
+
+fn best(times: &[f64]) -> f64 {
+    times.iter().copied().fold(f64::INFINITY, f64::min)
+}
+
+/// Run the command.
+pub fn run(args: &ProfileArgs) -> Result<()> {
+    let started = Instant::now();
+    let base_arg = args.base.unwrap_or(match args.device {
+        DeviceChoice::Cpu => BaseArg::Cpu,
+        DeviceChoice::Cuda => BaseArg::H200,
+    });
+    let base = base_arg.builtin().profile();
+    let sizes = Sizes::new(args.device, args.quick);
+    let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map(usize::from).unwrap_or(1));
+    if threads == 0 {
+        bail!("--threads: must be > 0");
+    }
+    let skip = |p: Part| args.skip.contains(&p);
+    // Progress lines always go to stderr (stdout carries only the summary or the JSON line).
+    let say = |s: String| eprintln!("{s}");
+    // A backend panic (cubecl reports device errors by panicking) becomes a one-line error.
+    let guarded = |f: &dyn Fn() -> Result<Measured>| {
+        super::bench_train::catch_panics(|| f().map_err(|e| super::bench_train::Failure::from_error(&e)))
+            .map_err(|e| anyhow::anyhow!("measuring the {} backend: {e}", device_name(args.device)))
+    };
+    let mut m = match args.device {
+        DeviceChoice::Cpu => {
+            guarded(&|| measure_backend::<lt_model::CpuAutodiff>(args, &sizes, &Default::default(), "f32", &say))?
+        }
+        #[cfg(feature = "cuda")]
+        DeviceChoice::Cuda => {
+            guarded(&|| measure_backend::<lt_model::CudaAutodiff>(args, &sizes, &Default::default(), "bf16", &say))?
+        }
+        #[cfg(not(feature = "cuda"))]
+        DeviceChoice::Cuda => bail!(
+            "--device cuda: this `lt` was built without CUDA; rebuild with `cargo build --release --features cuda -p lt-cli`"
+        ),
+    };
+    if !skip(Part::Disk) {
+        let dir = args.spill_dir.clone().unwrap_or_else(std::env::temp_dir);
+        disk(&dir, &sizes, &mut m)?;
+        say(format!(
+            "disk ({} via {}, O_DIRECT {}): write {:.2} GB/s, read {:.2} GB/s",
+            ByteSize(sizes.disk_total),
+            m.disk_engine.as_deref().unwrap_or("?"),
+            m.disk_o_direct.unwrap_or(false),
+            m.nvme_write_gb_per_s.unwrap_or(0.0),
+            m.nvme_read_gb_per_s.unwrap_or(0.0)
+        ));
+    }
+    if !skip(Part::Optimizer) {
+        for kind in [OptimizerChoice::Adamw8bit, OptimizerChoice::Adamw] {
+            let g = optimizer_speed(kind, sizes.optimizer_params, threads)?;
+            match kind {
+                OptimizerChoice::Adamw8bit => m.adamw8bit_gparams_per_s = Some(g),
+                OptimizerChoice::Adamw => m.adamw_gparams_per_s = Some(g),
+            }
+        }
+        m.optimizer_params = Some(sizes.optimizer_params);
+        m.optimizer_threads = Some(threads);
+        say(format!(
+            "host optimizer ({} params, {threads} threads, fp32 grads): adamw8bit {:.3} Gparam/s, adamw {:.3} Gparam/s",
+            sizes.optimizer_params,
+            m.adamw8bit_gparams_per_s.unwrap_or(0.0),
+            m.adamw_gparams_per_s.unwrap_or(0.0)
+        ));
+    }
+    m.host_memory_available = super::bench_train::mem_available();
+    if args.device == DeviceChoice::Cuda {
+        m.gpu_memory_total = nvidia_smi_total_memory();
+    }
+
+    let name = args.name.clone().unwrap_or_else(|| format!("{}-measured", base.name));
+    let (profile, text) = build_profile(&base, &name, args, &m)?;
+    crate::fsutil::write_atomic(&args.out, text.as_bytes())?;
+    let summary = format!(
+        "wrote {} (base {}, {:.1} s): h2d {:.2} GB/s, d2h {:.2} GB/s, peak {:.3} TFLOPS x efficiency {:.3}, nvme r/w \
+{:.2}/{:.2} GB/s, optimizer {:.2} Gparam/s",
+        args.out.display(),
+        base.name,
+        started.elapsed().as_secs_f64(),
+        profile.h2d_gb_per_s,
+        profile.d2h_gb_per_s,
+        profile.peak_tflops,
+        profile.efficiency,
+        profile.nvme_read_gb_per_s,
+        profile.nvme_write_gb_per_s,
+        profile.optimizer_gparams_per_s
+    );
+    if !args.json {
+        println!("{summary}");
+    }
+    if args.json {
+        let j = serde_json::json!({
+            "out": args.out,
+            "device": device_name(args.device),
+            "base": base.name,
+            "quick": args.quick,
+            "seconds": started.elapsed().as_secs_f64(),
+            "measured": m,
+            "profile": profile,
+        });
+        println!("{j}");
+    }
+    Ok(())
+}
+
+fn device_name(d: DeviceChoice) -> &'static str {
+    match d {
+        DeviceChoice::Cpu => "cpu",
+        DeviceChoice::Cuda => "cuda",
+    }
+}
+
+/// Transfers, GEMM and the layer fit on backend `B`.
+fn measure_backend<B: AutodiffBackend>(
+    args: &ProfileArgs,
+    sizes: &Sizes,
+    device: &<B::InnerBackend as BackendTypes>::Device,
+    dtype: &str,
+    say: &dyn Fn(String),
+) -> Result<Measured> {
+    let mut m = Measured::default();
+    let skip = |p: Part| args.skip.contains(&p);
+    if !skip(Part::Transfers) {
+        match args.device {
+            DeviceChoice::Cpu => {
+                let gbs = memcpy_gb_per_s(sizes.transfer_bytes, sizes.transfer_reps);
+                m.h2d_gb_per_s = Some(gbs);
+                m.d2h_gb_per_s = Some(gbs);
+                m.transfer_source = Some("memcpy (the CPU executor's transfers are memory copies)".into());
+                say(format!("transfers (memcpy stand-in, {}): {gbs:.2} GB/s", ByteSize(sizes.transfer_bytes as u64)));
+            }
+            DeviceChoice::Cuda => {
+                let (h2d, d2h, exec) = transfers::<B::InnerBackend>(device, sizes.transfer_bytes, sizes.transfer_reps)?;
+                m.h2d_gb_per_s = Some(h2d);
+                m.d2h_gb_per_s = Some(d2h);
+                m.h2d_executor_path_gb_per_s = Some(exec);
+                m.transfer_source =
+                    Some("Burn from_data / into_data in the device dtype, synchronised, best of several".into());
+                say(format!(
+                    "transfers ({}): h2d {h2d:.2} GB/s, d2h {d2h:.2} GB/s, h2d from fp32 as the executor uploads \
+{exec:.2} GB/s",
+                    ByteSize(sizes.transfer_bytes as u64)
+                ));
+            }
+        }
+        m.transfer_bytes = Some(sizes.transfer_bytes);
+    }
+    if !skip(Part::Gemm) {
+        let t = gemm_tflops::<B::InnerBackend>(device, sizes.gemm_n, sizes.gemm_reps)?;
+        m.gemm_tflops = Some(t);
+        m.gemm_n = Some(sizes.gemm_n);
+        m.gemm_dtype = Some(dtype.into());
+        say(format!("gemm {n}x{n}x{n} {dtype}: {t:.3} TFLOPS (best of {})", sizes.gemm_reps, n = sizes.gemm_n));
+    }
+    if !skip(Part::Layer) {
+        let (cfg, seq) = layer_config(args.device, args.quick)?;
+        let (fwd, bwd) = layer_seconds::<B>(&cfg, seq, device)?;
+        m.layer_fwd_seconds = Some(fwd);
+        m.layer_bwd_seconds = Some(bwd);
+        m.layer_tokens = Some(seq);
+        m.layer_hidden = Some(cfg.hidden_size);
+        say(format!(
+            "decoder layer (hidden {}, {} tokens, {dtype}): forward {:.2} ms, backward (with its re-forward) {:.2} ms",
+            cfg.hidden_size,
+            seq,
+            fwd * 1e3,
+            bwd * 1e3
+        ));
+        if let Some(peak) = m.gemm_tflops {
+            let (eff, flops, clamped) = fit_efficiency(&cfg, seq, fwd + bwd, peak, args)?;
+            m.efficiency = Some(eff);
+            m.layer_model_flops = Some(flops);
+            m.efficiency_clamped = clamped;
+            say(format!(
+                "layer efficiency against the measured GEMM peak: {eff:.3}{}",
+                if clamped { " (clamped)" } else { "" }
+            ));
+        } else {
+            say("layer efficiency not fitted: the GEMM measurement was skipped".into());
+        }
+    }
+    Ok(m)
+}
+
+/// Copy bandwidth of one thread, decimal GB/s (bytes copied per second).
+fn memcpy_gb_per_s(bytes: usize, reps: usize) -> f64 {
+    let src: Vec<u8> = (0..bytes).map(|i| (i as u32).wrapping_mul(2_654_435_761).to_le_bytes()[3]).collect();
+    let mut dst = vec![0u8; bytes];
+    // First touch outside the timer.
+    dst.copy_from_slice(&src);
+    let mut times = Vec::with_capacity(reps);
+    for _ in 0..reps.max(1) {
+        let t = Instant::now();
+        dst.copy_from_slice(std::hint::black_box(&src));
+        std::hint::black_box(&mut dst);
+        times.push(t.elapsed().as_secs_f64());
+    }
+    bytes as f64 / best(&times) / 1e9
+}
+
+fn sync<B: Backend>(device: &B::Device) -> Result<()> {
+    B::sync(device).map_err(|e| anyhow::anyhow!("device synchronisation failed: {e:?}"))
+}
+
+/// Upload and download bandwidth of `bytes` in the device dtype, and the upload rate of fp32 host
+/// data as the executor hands it over (converted on the way; bytes counted in the device dtype).
+fn transfers<B: Backend>(device: &B::Device, bytes: usize, reps: usize) -> Result<(f64, f64, f64)> {
+    let elem = std::mem::size_of::<<B as BackendTypes>::FloatElem>().max(1);
+    let n = bytes / elem;
+    let host: Vec<f32> = (0..n).map(|i| ((i % 1000) as f32) * 1e-3).collect();
+    let native = TensorData::new(host.clone(), [n]).convert::<<B as BackendTypes>::FloatElem>();
+    // Warm-up: context creation, allocator pages, kernels.
+    let t0: Tensor<B, 1> = Tensor::from_data(native.clone(), device);
+    let _ = t0.clone().into_data();
+    sync::<B>(device)?;
+    let (mut up, mut down, mut exec) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..reps.max(1) {
+        let data = native.clone();
+        let t = Instant::now();
+        let x: Tensor<B, 1> = Tensor::from_data(data, device);
+        sync::<B>(device)?;
+        up.push(t.elapsed().as_secs_f64());
+        let t = Instant::now();
+        let back = x.into_data();
+        down.push(t.elapsed().as_secs_f64());
+        std::hint::black_box(back);
+        let data = TensorData::new(host.clone(), [n]);
+        let t = Instant::now();
+        let y: Tensor<B, 1> = Tensor::from_data(data, device);
+        sync::<B>(device)?;
+        exec.push(t.elapsed().as_secs_f64());
+        drop(y);
+    }
+    let b = (n * elem) as f64;
+    Ok((b / best(&up) / 1e9, b / best(&down) / 1e9, b / best(&exec) / 1e9))
+}
+
+/// Best achieved TFLOPS of an `n^3` matmul.
+fn gemm_tflops<B: Backend>(device: &B::Device, n: usize, reps: usize) -> Result<f64> {
+    let a: Tensor<B, 2> = Tensor::random([n, n], Distribution::Default, device);
+    let b: Tensor<B, 2> = Tensor::random([n, n], Distribution::Default, device);
+    let _ = a.clone().matmul(b.clone());
+    sync::<B>(device)?;
+    let mut times = Vec::with_capacity(reps);
+    for _ in 0..reps.max(1) {
+        let t = Instant::now();
+        let c = a.clone().matmul(b.clone());
+        sync::<B>(device)?;
+        times.push(t.elapsed().as_secs_f64());
+        drop(c);
+    }
+    Ok(2.0 * (n as f64).powi(3) / best(&times) / 1e12)
+}
+
+/// Best forward and per-layer backward times of layer 0 of `cfg` over `seq` tokens.
+fn layer_seconds<B: AutodiffBackend>(
+    cfg: &ModelConfig,
+    seq: usize,
+    device: &<B::InnerBackend as BackendTypes>::Device,
+) -> Result<(f64, f64)> {
+    let host = HostModel::random_init(cfg.clone(), 7);
+    let layer = host.layers.first().context("the calibration config has no layer")?;
+    let w = LayerWeights::<B::InnerBackend>::from_host(layer, cfg.layer_types[0], device);
+    let ctx = SeqCtx::<B::InnerBackend>::causal(cfg, 1, seq, device);
+    let ctx_ad = SeqCtx::<B>::lift(&ctx);
+    let x: Tensor<B::InnerBackend, 3> =
+        Tensor::random([1, seq, cfg.hidden_size], Distribution::Normal(0.0, 1.0), device);
+    let g: Tensor<B::InnerBackend, 3> =
+        Tensor::random([1, seq, cfg.hidden_size], Distribution::Normal(0.0, 1e-3), device);
+    let (mut fwd, mut bwd) = (Vec::new(), Vec::new());
+    // The first round compiles kernels (NVRTC, autotune) and is not counted.
+    for round in 0..4 {
+        let t = Instant::now();
+        let y = layer_forward(cfg, &w, x.clone(), &ctx);
+        sync::<B::InnerBackend>(device)?;
+        let tf = t.elapsed().as_secs_f64();
+        drop(y);
+        let t = Instant::now();
+        let lg = layer_backward::<B>(cfg, 0, &w, x.clone(), g.clone(), &ctx_ad);
+        sync::<B::InnerBackend>(device)?;
+        let tb = t.elapsed().as_secs_f64();
+        drop(lg);
+        if round > 0 {
+            fwd.push(tf);
+            bwd.push(tb);
+        }
+    }
+    Ok((best(&fwd), best(&bwd)))
+}
+
+/// The efficiency that makes the cost model's layer time (forward plus backward, as
+/// `lt_sched::cost` defines them) equal `measured` seconds at the measured `peak`. Returns the
+/// efficiency, the cost model's FLOPs of that work, and whether it had to be clamped into (0, 1].
+fn fit_efficiency(
+    cfg: &ModelConfig,
+    seq: usize,
+    measured: f64,
+    peak: f64,
+    args: &ProfileArgs,
+) -> Result<(f64, f64, bool)> {
+    let base = args
+        .base
+        .unwrap_or(match args.device {
+            DeviceChoice::Cpu => BaseArg::Cpu,
+            DeviceChoice::Cuda => BaseArg::H200,
+        })
+        .builtin()
+        .profile();
+    let mut hw = base;
+    hw.peak_tflops = peak;
+    hw.efficiency = 1.0;
+    let ecfg = ExecConfig {
+        micro_batch_size: 1,
+        grad_accum_steps: 1,
+        loss_chunk_tokens: seq,
+        optimizer_overlap: lt_sched::OptimizerOverlap::Serial,
+        retain_all_logits: false,
+    };
+    let inst = Instance::from_model(cfg, &hw, seq, &ecfg, CostOptions::default())?;
+    let l = inst.layers.first().context("no layer in the calibration instance")?;
+    // With efficiency 1 the model predicts `fwd + bwd` seconds; efficiency scales it inversely.
+    let at_full = l.fwd_seconds + l.bwd_seconds;
+    let eff = at_full / measured.max(1e-12);
+    let clamped = !(eff > 0.0 && eff <= 1.0);
+    Ok((eff.clamp(1e-6, 1.0), 2.0 * l.fwd_flops + l.bwd_flops, clamped))
+}
+
+/// Write then read back `sizes.disk_total` bytes through a spill store in `dir`.
+fn disk(dir: &Path, sizes: &Sizes, m: &mut Measured) -> Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("{}: cannot create the spill folder", dir.display()))?;
+    let value = sizes.disk_value.min(sizes.disk_total as usize).max(4096);
+    let n_values = sizes.disk_total.div_ceil(value as u64);
+    let inflight = 2;
+    let cfg = SpillConfig { pool_bytes: inflight * value, ..SpillConfig::new(dir, n_values * value as u64) };
+    let store = SpillStore::open(cfg).with_context(|| format!("opening a spill store in {}", dir.display()))?;
+    let report = store.report().clone();
+    let mut free: Vec<SpillBuf> =
+        (0..inflight).map(|_| store.alloc_buf(value)).collect::<Result<_, _>>().context("allocating buffers")?;
+    for b in &mut free {
+        for (i, x) in b.iter_mut().enumerate() {
+            *x = (i as u32).wrapping_mul(2_654_435_761).to_le_bytes()[3];
+        }
+    }
+    let mut pending: VecDeque<Ticket<SpillBuf>> = VecDeque::new();
+    let t = Instant::now();
+    for k in 0..n_values {
+        let buf = match free.pop() {
+            Some(b) => b,
+            None => pending.pop_front().context("no buffer in flight")?.wait().context("spill write")?,
+        };
+        pending.push_back(store.submit_put(k, buf).context("submitting a spill write")?);
+    }
+    while let Some(p) = pending.pop_front() {
+        free.push(p.wait().context("spill write")?);
+    }
+    let write_s = t.elapsed().as_secs_f64();
+    let mut pending: VecDeque<Ticket<SpillBuf>> = VecDeque::new();
+    let t = Instant::now();
+    for k in 0..n_values {
+        if free.is_empty()
+            && let Some(p) = pending.pop_front()
+        {
+            free.push(p.wait().context("spill read")?);
+        }
+        let buf = free.pop().context("no free buffer")?;
+        pending.push_back(store.submit_get_into(k, buf).context("submitting a spill read")?);
+    }
+    while let Some(p) = pending.pop_front() {
+        free.push(p.wait().context("spill read")?);
+    }
+    let read_s = t.elapsed().as_secs_f64();
+    let bytes = (n_values * value as u64) as f64;
+    m.nvme_write_gb_per_s = Some(bytes / write_s / 1e9);
+    m.nvme_read_gb_per_s = Some(bytes / read_s / 1e9);
+    m.disk_engine = Some(report.engine.name().to_string());
+    m.disk_o_direct = Some(report.direct_io);
+    m.disk_bytes = Some(n_values * value as u64);
+    Ok(())
+}
+
+/// Median update throughput of `kind` over `n` parameters (one group, fp32 gradients as the trainer
+/// hands them over, clipping active), Gparam/s.
+fn optimizer_speed(kind: OptimizerChoice, n: usize, threads: usize) -> Result<f64> {
+    let kind = match kind {
+        OptimizerChoice::Adamw => OptimizerKind::AdamW,
+        OptimizerChoice::Adamw8bit => OptimizerKind::adamw8bit(),
+    };
+    let cfg = AdamWConfig { max_grad_norm: Some(1.0), ..Default::default() };
+    let mut opt = AdamW::new(cfg, kind).context("creating the optimizer")?;
+    opt.add_group("profile", &[("w", n)]).context("registering the parameter group")?;
+    let pool = ThreadPool::new(threads).context("starting optimizer threads")?;
+    let mut rng = lt_core::rng::SplitMix64::new(3);
+    let mut params: Vec<f32> = (0..n).map(|_| (rng.next_f64() as f32 - 0.5) * 0.1).collect();
+    let grads: Vec<f32> =
+        (0..n).map(|i| (rng.next_f64() as f32 - 0.5) * 10f32.powi(-((i / 4096) as i32 % 4))).collect();
+    let norm = grads.iter().map(|g| f64::from(*g) * f64::from(*g)).sum::<f64>().sqrt();
+    let mut times = Vec::new();
+    for s in 0..4 {
+        let t = Instant::now();
+        let StepOutcome::Apply(ctx) = opt.begin_step(norm) else {
+            bail!("profile gradient norm is not finite");
+        };
+        opt.groups_mut()[0]
+            .update(&mut [&mut params], &[Grad::F32(&grads)], &ctx, &pool)
+            .context("optimizer update")?;
+        if s > 0 {
+            times.push(t.elapsed().as_secs_f64());
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(n as f64 / times[times.len() / 2] / 1e9)
+}
+
+/// Total memory of GPU 0 from `nvidia-smi`, bytes.
+fn nvidia_smi_total_memory() -> Option<u64> {
+    let out = std::process::Command::new("nvidia-smi")
+        .args(["--query-gpu=memory.total", "--format=csv,noheader,nounits", "--id=0"])
+        .output()
+        .ok()?;
+    let mib: u64 = String::from_utf8_lossy(&out.stdout).trim().lines().next()?.trim().parse().ok()?;
+    Some(mib << 20)
+}
+
+fn toml_str(s: &str) -> String {
+    toml::Value::String(s.to_string()).to_string()
+}
+
+/// The profile and its TOML text, each field preceded by a comment saying where its value comes from.
+/// The text is parsed back through lt-sched's loader before it is returned, so a written file always
+/// loads.
+fn build_profile(
+    base: &HardwareProfile,
+    name: &str,
+    args: &ProfileArgs,
+    m: &Measured,
+) -> Result<(HardwareProfile, String)> {
+    let from_base = format!("from the built-in `{}` profile (not measured)", base.name);
+    let mut p = base.clone();
+    p.name = name.to_string();
+    let device = device_name(args.device);
+    p.description = format!(
+        "measured by `lt profile --device {device}{}`; unmeasured fields from `{}`",
+        if args.quick { " --quick" } else { "" },
+        base.name
+    );
+    let mut lines = vec![
+        "# Hardware profile written by `lt profile`. Load it with `--hardware FILE` (lt plan, lt train, lt bench train)."
+            .to_string(),
+        "# Each field says whether it was measured on this machine or copied from the base profile.".to_string(),
+        String::new(),
+        format!("name = {}", toml_str(&p.name)),
+        format!("description = {}", toml_str(&p.description)),
+    ];
+    let mut field = |key: &str, value: String, note: String| {
+        lines.push(format!("# {note}"));
+        lines.push(format!("{key} = {value}"));
+    };
+
+    // GPU memory: measured total on CUDA when nvidia-smi answers.
+    if let Some(total) = m.gpu_memory_total {
+        p.gpu_memory = ByteSize(total);
+        field("gpu_memory", total.to_string(), format!("measured: nvidia-smi memory.total ({})", ByteSize(total)));
+    } else {
+        field("gpu_memory", p.gpu_memory.0.to_string(), format!("{from_base}: {}", p.gpu_memory));
+    }
+    // Host memory: what is available now; on the CPU executor the device budget lives in host memory too.
+    if let Some(avail) = m.host_memory_available {
+        let usable = match args.device {
+            DeviceChoice::Cpu => avail.saturating_sub(p.gpu_memory.0).max(1 << 30),
+            DeviceChoice::Cuda => avail,
+        };
+        p.host_memory = ByteSize(usable);
+        let how = match args.device {
+            DeviceChoice::Cpu => "MemAvailable less gpu_memory (the CPU executor's device budget is host memory)",
+            DeviceChoice::Cuda => "MemAvailable",
+        };
+        field("host_memory", usable.to_string(), format!("measured: {how} ({})", ByteSize(usable)));
+    } else {
+        field("host_memory", p.host_memory.0.to_string(), format!("{from_base}: {}", p.host_memory));
+    }
+    field("nvme_capacity", p.nvme_capacity.0.to_string(), format!("{from_base}: {}", p.nvme_capacity));
+    let source = m.transfer_source.clone().unwrap_or_default();
+    for (key, measured, slot) in [
+        ("h2d_gb_per_s", m.h2d_gb_per_s, &mut p.h2d_gb_per_s as &mut f64),
+        ("d2h_gb_per_s", m.d2h_gb_per_s, &mut p.d2h_gb_per_s),
+    ] {
+        match measured {
+            Some(v) => {
+                *slot = v;
+                let extra = match (key, m.h2d_executor_path_gb_per_s) {
+                    ("h2d_gb_per_s", Some(e)) => format!("; fp32 host data as the executor uploads it: {e:.3} GB/s"),
+                    _ => String::new(),
+                };
+                field(key, format!("{v:?}"), format!("measured: {source}{extra}"));
+            }
+            None => field(key, format!("{:?}", *slot), from_base.clone()),
+        }
+    }
+    for (key, measured, slot) in [
+        ("nvme_read_gb_per_s", m.nvme_read_gb_per_s, &mut p.nvme_read_gb_per_s as &mut f64),
+        ("nvme_write_gb_per_s", m.nvme_write_gb_per_s, &mut p.nvme_write_gb_per_s),
+    ] {
+        match measured {
+            Some(v) => {
+                *slot = v;
+                field(
+                    key,
+                    format!("{v:?}"),
+                    format!(
+                        "measured: lt-storage spill store ({}, O_DIRECT {}), {} written then read back",
+                        m.disk_engine.as_deref().unwrap_or("?"),
+                        m.disk_o_direct.unwrap_or(false),
+                        ByteSize(m.disk_bytes.unwrap_or(0))
+                    ),
+                );
+            }
+            None => field(key, format!("{:?}", *slot), from_base.clone()),
+        }
+    }
+    match m.gemm_tflops {
+        Some(t) => {
+            p.peak_tflops = t;
+            field(
+                "peak_tflops",
+                format!("{t:?}"),
+                format!(
+                    "measured: best {n}x{n}x{n} {} matmul through Burn (the achievable dense peak; the datasheet figure \
+of `{}` is {})",
+                    m.gemm_dtype.as_deref().unwrap_or("?"),
+                    base.name,
+                    base.peak_tflops,
+                    n = m.gemm_n.unwrap_or(0)
+                ),
+            );
+        }
+        None => field("peak_tflops", format!("{:?}", p.peak_tflops), from_base.clone()),
+    }
+    match m.efficiency {
+        Some(e) => {
+            p.efficiency = e;
+            field(
+                "efficiency",
+                format!("{e:?}"),
+                format!(
+                    "measured: one decoder layer (hidden {}, {} tokens) forward {:.3} ms + backward {:.3} ms, fitted so \
+lt-sched's cost model reproduces it at the measured peak{}",
+                    m.layer_hidden.unwrap_or(0),
+                    m.layer_tokens.unwrap_or(0),
+                    m.layer_fwd_seconds.unwrap_or(0.0) * 1e3,
+                    m.layer_bwd_seconds.unwrap_or(0.0) * 1e3,
+                    if m.efficiency_clamped { " (clamped into (0, 1])" } else { "" }
+                ),
+            );
+        }
+        None if m.gemm_tflops.is_some() => {
+            // The base efficiency is relative to the base's datasheet peak; keep the base's layer-level
+            // FLOP rate rather than pairing it with the measured GEMM peak.
+            let e = (base.efficiency * base.peak_tflops / p.peak_tflops).clamp(1e-6, 1.0);
+            p.efficiency = e;
+            field(
+                "efficiency",
+                format!("{e:?}"),
+                format!(
+                    "derived: the base profile's layer FLOP rate ({} x {}) over the measured peak",
+                    base.efficiency, base.peak_tflops
+                ),
+            );
+        }
+        None => field("efficiency", format!("{:?}", p.efficiency), from_base.clone()),
+    }
+    let opt = match args.optimizer {
+        OptimizerChoice::Adamw8bit => m.adamw8bit_gparams_per_s,
+        OptimizerChoice::Adamw => m.adamw_gparams_per_s,
+    };
+    match opt {
+        Some(g) => {
+            p.optimizer_gparams_per_s = g;
+            field(
+                "optimizer_gparams_per_s",
+                format!("{g:?}"),
+                format!(
+                    "measured: lt-optim {} update, {} params, {} threads, fp32 gradients (adamw8bit {:.3}, adamw {:.3} \
+Gparam/s)",
+                    match args.optimizer {
+                        OptimizerChoice::Adamw8bit => "adamw8bit",
+                        OptimizerChoice::Adamw => "adamw",
+                    },
+                    m.optimizer_params.unwrap_or(0),
+                    m.optimizer_threads.unwrap_or(0),
+                    m.adamw8bit_gparams_per_s.unwrap_or(0.0),
+                    m.adamw_gparams_per_s.unwrap_or(0.0)
+                ),
+            );
+        }
+        None => field("optimizer_gparams_per_s", format!("{:?}", p.optimizer_gparams_per_s), from_base.clone()),
+    }
+    field("gpu_reserved", p.gpu_reserved.0.to_string(), format!("{from_base}: {}", p.gpu_reserved));
+    field("gemm_half_efficiency_rows", format!("{:?}", p.gemm_half_efficiency_rows), from_base.clone());
+    let dtype_bytes: u32 = match args.device {
+        DeviceChoice::Cpu => 4,
+        DeviceChoice::Cuda => 2,
+    };
+    p.compute_dtype_bytes = dtype_bytes;
+    field(
+        "compute_dtype_bytes",
+        dtype_bytes.to_string(),
+        format!("the executor's device dtype on --device {device} ({})", if dtype_bytes == 4 { "f32" } else { "bf16" }),
+    );
+    let text = lines.join("\n") + "\n";
+    let parsed = lt_sched::hardware::profile_from_toml(&text, &args.out.display().to_string())
+        .context("the measured profile does not validate (a measurement went wrong)")?;
+    Ok((parsed, text))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
+mod tests {
+    use super::*;
+
+    fn args(device: DeviceChoice) -> ProfileArgs {
+        ProfileArgs {
+            device,
+            out: PathBuf::from("x.toml"),
+            base: None,
+            name: None,
+            quick: true,
+            skip: vec![],
+            spill_dir: None,
+            optimizer: OptimizerChoice::Adamw8bit,
+            threads: None,
+            json: false,
+        }
+    }
+
+    #[test]
+    fn unmeasured_fields_keep_the_base_and_the_text_round_trips() {
+        let base = BuiltinProfile::H200.profile();
+        let m = Measured { h2d_gb_per_s: Some(41.5), gemm_tflops: Some(700.0), ..Default::default() };
+        let (p, text) = build_profile(&base, "mine", &args(DeviceChoice::Cuda), &m).unwrap();
+        assert_eq!(p.h2d_gb_per_s, 41.5);
+        assert_eq!(p.d2h_gb_per_s, base.d2h_gb_per_s);
+        assert_eq!(p.peak_tflops, 700.0);
+        // Efficiency keeps the base's layer FLOP rate when no layer was measured: 0.285 x 989 / 700.
+        assert!((p.efficiency * 700.0 - base.efficiency * base.peak_tflops).abs() < 1e-9);
+        assert!(text.contains("# measured:") && text.contains("not measured"), "{text}");
+        assert_eq!(lt_sched::hardware::profile_from_toml(&text, "x.toml").unwrap(), p);
+    }
+
+    #[test]
+    fn efficiency_fit_reproduces_the_measured_layer_time() {
+        let (cfg, seq) = layer_config(DeviceChoice::Cpu, true).unwrap();
+        let a = args(DeviceChoice::Cpu);
+        let (eff, _, clamped) = fit_efficiency(&cfg, seq, 0.5, 0.05, &a).unwrap();
+        assert!(!clamped);
+        // Re-predict with the fitted efficiency: the layer takes the measured 0.5 s (1e-9 relative:
+        // the same arithmetic in the other direction).
+        let mut hw = BuiltinProfile::Cpu.profile();
+        hw.peak_tflops = 0.05;
+        hw.efficiency = eff;
+        let ecfg = ExecConfig {
+            micro_batch_size: 1,
+            grad_accum_steps: 1,
+            loss_chunk_tokens: seq,
+            optimizer_overlap: lt_sched::OptimizerOverlap::Serial,
+            retain_all_logits: false,
+        };
+        let inst = Instance::from_model(&cfg, &hw, seq, &ecfg, CostOptions::default()).unwrap();
+        let t = inst.layers[0].fwd_seconds + inst.layers[0].bwd_seconds;
+        assert!((t / 0.5 - 1.0).abs() < 1e-9, "{t}");
+    }
+}
