@@ -293,7 +293,7 @@ fn esc(s: &str) -> String {
 /// The per-stream timeline of one step as SVG: one panel per entry of `panels`, all on one time scale.
 pub fn timeline_svg(title: &str, lanes: &[&str], panels: &[Panel]) -> String {
     const COLORS: [&str; 5] = ["#4c78a8", "#f58518", "#54a24b", "#b279a2", "#e45756"];
-    let (w, left, right, lane_h, gap) = (1100.0, 90.0, 20.0, 22.0, 46.0);
+    let (w, left, right, lane_h, gap) = (1100.0, 90.0, 50.0, 22.0, 46.0);
     let t_max = panels.iter().flat_map(|p| p.spans.iter()).map(|s| s.start + s.dur).fold(0.0f64, f64::max).max(1e-6);
     let panel_h = lanes.len() as f64 * lane_h;
     let h = 40.0 + panels.len() as f64 * (panel_h + gap) + 30.0;

@@ -392,6 +392,13 @@ pub fn run(args: &SelftestArgs) -> Result<()> {
         DeviceChoice::Cpu => vec![UnderTest { label: "cpu", tol: TOL_CPU, model: &cpu_model, train: &cpu_train }],
         #[cfg(feature = "cuda")]
         DeviceChoice::Cuda => {
+            // One clear line when there is no usable GPU or driver, instead of the same failure per check.
+            catch_panics(|| {
+                let device = Default::default();
+                let t = burn::tensor::Tensor::<lt_model::CudaBackend, 1>::zeros([1], &device);
+                Ok(t.into_data())
+            })
+            .map_err(|e| anyhow::anyhow!("--device cuda: cannot initialise CUDA: {e}"))?;
             let mut v = vec![UnderTest { label: "cuda-bf16", tol: TOL_BF16, model: &bf16_model, train: &bf16_train }];
             if !args.no_f32 {
                 v.insert(0, UnderTest { label: "cuda-f32", tol: TOL_F32, model: &f32_model, train: &f32_train });
