@@ -162,8 +162,8 @@ pub struct RunFile {
     /// Fraction of question groups held out for evaluation [default: 0; demo 0.1].
     #[arg(long)]
     pub eval_fraction: Option<f64>,
-    /// Held-out loss every N steps, on up to 128 held-out examples (0: only at the end) [default: steps/20
-    /// when there is a held-out split].
+    /// Held-out loss every N steps and at the end, on up to 128 held-out examples; 0 turns it off. It runs
+    /// on the CPU backend, so keep it off for large models [default: off; demo steps/20].
     #[arg(long)]
     pub eval_loss_every: Option<u64>,
     /// Evaluate at most N held-out questions [default: 200].
@@ -415,7 +415,7 @@ impl Settings {
             resume: o.resume,
             device: o.device.unwrap_or(DeviceChoice::Cpu),
             eval_every: o.eval_every.unwrap_or(0),
-            eval_loss_every: o.eval_loss_every.unwrap_or((steps / 20).max(1)),
+            eval_loss_every: o.eval_loss_every.unwrap_or(if demo { (steps / 20).max(1) } else { 0 }),
             eval_fraction,
             eval_limit: o.eval_limit.unwrap_or(200),
             max_new_tokens: o.max_new_tokens.unwrap_or(d(demo, 48, 256)),
@@ -942,7 +942,9 @@ where
         &trace_path,
         trainer.trace().chrome_json(last_step.saturating_sub(1)..=last_step).as_bytes(),
     )?;
-    log_eval_loss(&mut trainer, &mut metrics, last_step)?;
+    if s.eval_loss_every > 0 {
+        log_eval_loss(&mut trainer, &mut metrics, last_step)?;
+    }
     let final_acc = eval_now(&mut trainer, "final eval")?;
     if let Some(acc) = &final_acc {
         let line = serde_json::json!({"step": last_step, "eval_exact_match": acc.rate(), "eval": acc, "final": true});
