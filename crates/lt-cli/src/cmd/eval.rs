@@ -4,10 +4,12 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
+use burn::tensor::backend::Backend;
 use lt_data::{DatasetFile, DatasetFormat, PrepareOptions, prepare};
 use lt_model::host::HostModel;
 use lt_model::weights::DeviceModel;
 
+use super::train::DeviceChoice;
 use crate::evaluate::{encoder_for, evaluate};
 
 /// Arguments of `lt eval`.
@@ -25,7 +27,8 @@ pub struct EvalArgs {
     /// Force the dataset format instead of detecting it.
     #[arg(long, value_enum, default_value_t = DatasetFormat::Auto)]
     pub format: DatasetFormat,
-    /// Evaluate only the first N questions.
+    /// Evaluate at most N questions: a deterministic subset spread over the whole file (MetaMathQA is
+    /// sorted by type), the same one `lt train --eval-limit N` scores.
     #[arg(long)]
     pub limit: Option<usize>,
     /// Longest generation per question, in tokens.
@@ -46,6 +49,32 @@ pub struct EvalArgs {
     /// Print one JSON object as the last line.
     #[arg(long)]
     pub json: bool,
+    /// Where to generate: the CPU, or the GPU (the whole model is uploaded in the compute dtype, so it must
+    /// fit in GPU memory; a binary built with `--features cuda`).
+    #[arg(long, value_enum, default_value_t = DeviceChoice::Cpu)]
+    pub device: DeviceChoice,
+}
+
+fn generate_on<B: Backend>(
+    host: &HostModel,
+    encoder: &lt_data::ChatEncoder,
+    examples: &[lt_data::EvalExample],
+    args: &EvalArgs,
+    progress: impl FnMut(usize),
+) -> Result<(lt_data::Accuracy, Vec<crate::evaluate::Prediction>)>
+where
+    B::Device: Default,
+{
+    let model = DeviceModel::<B>::from_host(host, &Default::default());
+    evaluate(
+        &model,
+        encoder.tokenizer(),
+        encoder.stop_token_id(),
+        examples,
+        args.max_new_tokens,
+        args.batch_size,
+        progress,
+    )
 }
 
 /// Run the command.
@@ -64,17 +93,24 @@ pub fn run(args: &EvalArgs) -> Result<()> {
     let data = prepare(&file, &encoder, &opts)?;
     let examples = data.eval_examples;
     anyhow::ensure!(!examples.is_empty(), "{}: no question with a reference answer", args.data.display());
-    let model = DeviceModel::<lt_model::CpuBackend>::from_host(&host, &Default::default());
     let pb = crate::progress::bar(examples.len() as u64, "eval");
-    let (acc, preds) = evaluate(
-        &model,
-        encoder.tokenizer(),
-        encoder.stop_token_id(),
-        &examples,
-        args.max_new_tokens,
-        args.batch_size,
-        |n| pb.inc(n as u64),
-    )?;
+    let score = |n: usize| pb.inc(n as u64);
+    let (acc, preds) = match args.device {
+        DeviceChoice::Cpu => generate_on::<lt_model::CpuBackend>(&host, &encoder, &examples, args, score)?,
+        #[cfg(feature = "cuda")]
+        DeviceChoice::Cuda => {
+            // A GPU out-of-memory or driver failure surfaces as a panic inside cubecl: report it as one line.
+            super::bench_train::catch_panics(|| {
+                generate_on::<lt_model::CudaBackend>(&host, &encoder, &examples, args, score)
+                    .map_err(|e| super::bench_train::Failure::from_error(&e))
+            })
+            .map_err(|e| anyhow::anyhow!("--device cuda: {e}"))?
+        }
+        #[cfg(not(feature = "cuda"))]
+        DeviceChoice::Cuda => anyhow::bail!(
+            "--device cuda: this `lt` was built without CUDA; rebuild with `cargo build --release --features cuda -p lt-cli`"
+        ),
+    };
     pb.finish_and_clear();
     let pred_path = args.predictions.clone().unwrap_or_else(|| args.model.join("predictions.jsonl"));
     let mut out = Vec::new();
