@@ -398,7 +398,7 @@ impl ModelConfig {
             if l.conv_kernel == 0 || l.key_head_dim == 0 || l.value_head_dim == 0 || l.num_key_heads == 0 {
                 return Err(invalid("linear_num_key_heads", "linear attention dims must be > 0".into()));
             }
-            if l.num_value_heads % l.num_key_heads != 0 {
+            if !l.num_value_heads.is_multiple_of(l.num_key_heads) {
                 return Err(invalid(
                     "linear_num_value_heads",
                     format!("{} is not a multiple of linear_num_key_heads {}", l.num_value_heads, l.num_key_heads),
