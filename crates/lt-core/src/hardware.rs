@@ -290,21 +290,24 @@ fn cpu() -> HardwareProfile {
         host_memory: ByteSize::gib(14),
         // Assumption: 16 GiB of the virtual disk for spilled activations.
         nvme_capacity: ByteSize::gib(16),
-        // "Transfers" are memcpy: STREAM triad measured 37-41 GB/s on one thread (REFERENCE §5); a copy
-        // reads and writes each byte, and the executor copies with other work running: 10 GB/s
-        // (assumption).
+        // Measured with `lt profile --device cpu` on this box, idle (2026-11-29): "transfers" are memcpy,
+        // 9.95 GB/s on 256 MiB.
         h2d_gb_per_s: 10.0,
         d2h_gb_per_s: 10.0,
-        // Measured on this box with 1 MiB requests: 1.15 GB/s read, 1.8 GB/s write (REFERENCE §5).
-        nvme_read_gb_per_s: 1.15,
-        nvme_write_gb_per_s: 1.8,
-        // 2 cores x 2 AVX2 FMA units x 8 f32 lanes x 2 FLOP x 3 GHz = 192 GFLOPS (assumed clock).
-        peak_tflops: 0.192,
-        // Assumption: ndarray's matmul reaches about 30% of peak.
-        efficiency: 0.3,
-        // Half of the 2.1-2.4 Gparam/s measured for torch fused AdamW here (REFERENCE §5), because the
-        // optimizer shares the two cores with the executor (assumption).
-        optimizer_gparams_per_s: 1.0,
+        // Measured (same run): the spill store, io_uring + O_DIRECT, 4 MiB requests, 1 GiB written then
+        // read back: 2.59 GB/s write, 2.41 GB/s read.
+        nvme_read_gb_per_s: 2.4,
+        nvme_write_gb_per_s: 2.6,
+        // Measured (same run): the best 1024^3 f32 matmul through Burn's ndarray backend on 2 threads,
+        // 0.060 TFLOPS (the AVX-512 datasheet figure would be ~0.3; matrixmultiply's kernels are 8-wide).
+        peak_tflops: 0.06,
+        // Measured (same run): one 512-wide decoder layer at 256 tokens, forward 54 ms + backward 138 ms,
+        // is 0.60 of that peak. Smaller layers do worse (the demo's 128-wide layers run at about half
+        // the predicted speed): elementwise work does not shrink with the matmuls.
+        efficiency: 0.6,
+        // Measured (same run): lt-optim adamw8bit on 32M parameters, 2 threads, 1.26 Gparam/s; the
+        // optimizer shares the two cores with the executor when it overlaps.
+        optimizer_gparams_per_s: 1.26,
         gpu_reserved: ByteSize(0),
         gemm_half_efficiency_rows: 16.0,
         compute_dtype_bytes: 4,

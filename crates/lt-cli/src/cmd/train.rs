@@ -562,6 +562,9 @@ pub(crate) fn choose_plan(s: &Settings, cfg: &ModelConfig) -> Result<Chosen> {
             req.grad_clipping = s.adamw.max_grad_norm.is_some();
             req.trace = true;
             req.cost.optimizer = s.optimizer.state();
+            // The executor's attention (lt_model::ops::sdpa) materialises the T x T scores on every
+            // backend, so plan with that kernel's FLOPs and memory, not flash attention's.
+            req.cost.attention = lt_sched::cost::AttentionKernel::Materialized;
             let out = lt_sched::planner::plan(cfg, &hw, &req)?;
             let p = &out.plan;
             let tiers: Vec<&str> = p
