@@ -7,8 +7,10 @@
 //!
 //! The flow:
 //! 1. [`tokenizer::load`] gives a [`Tokenizer`] (the model folder's `tokenizer.json`, or the tiny
-//!    [`ByteTokenizer`]) and its [`ChatTemplate`] (`tokenizer_config.json`'s `chat_template`, rendered like
-//!    transformers' `apply_chat_template`; ChatML when absent); a [`ChatEncoder`] combines them.
+//!    [`ByteTokenizer`]; [`word_tokenizer::build`] writes a word-level `tokenizer.json` for models
+//!    trained from scratch, as the demo does) and its [`ChatTemplate`] (`tokenizer_config.json`'s
+//!    `chat_template`, rendered like transformers' `apply_chat_template`; ChatML when absent); a
+//!    [`ChatEncoder`] combines them.
 //! 2. [`DatasetFile::open`] memory-maps and indexes a JSON-array or JSONL dataset in MetaMathQA, Alpaca,
 //!    ShareGPT, messages or pre-tokenized format (detected or forced with [`DatasetFormat`]); or
 //!    [`synth::generate`] makes the built-in arithmetic dataset.
