@@ -824,16 +824,11 @@ where
         }
         Ok(())
     };
-    let eval_now = |trainer: &mut Trainer<B>, label: &str| -> Result<Option<lt_data::Accuracy>> {
-        if prepared.eval_examples.is_empty() {
-            return Ok(None);
-        }
-        trainer.flush()?;
-        let snap = trainer.model.snapshot();
-        let dm = DeviceModel::<lt_model::CpuBackend>::from_host(&snap, &Default::default());
+    // Held-out scoring runs on one CPU copy of the current weights per evaluation point.
+    let eval_now = |dm: &DeviceModel<lt_model::CpuBackend>, label: &str| -> Result<lt_data::Accuracy> {
         let pb = crate::progress::bar(prepared.eval_examples.len() as u64, label);
         let (acc, _) = evaluate(
-            &dm,
+            dm,
             encoder.tokenizer(),
             encoder.stop_token_id(),
             &prepared.eval_examples,
@@ -842,7 +837,7 @@ where
             |n| pb.inc(n as u64),
         )?;
         pb.finish_and_clear();
-        Ok(Some(acc))
+        Ok(acc)
     };
     // Held-out loss on a fixed subset: each example its own right-padded row (causal attention never
     // sees the padding), the mean over the shifted non-ignored tokens as in training.
@@ -854,37 +849,32 @@ where
             Some((ids, labels))
         })
         .collect();
-    let eval_loss = |trainer: &mut Trainer<B>| -> Result<Option<f64>> {
-        if eval_rows.is_empty() {
-            return Ok(None);
-        }
-        trainer.flush()?;
-        let snap = trainer.model.snapshot();
-        let dm = DeviceModel::<lt_model::CpuBackend>::from_host(&snap, &Default::default());
-        let (mut sum, mut count) = (0.0f64, 0usize);
-        for rows in eval_rows.chunks(32) {
-            let len = rows.iter().map(|(ids, _)| ids.len()).max().unwrap_or(0);
-            let pad = encoder.tokenizer().pad_id().unwrap_or(0);
-            let ids: Vec<Vec<u32>> = rows.iter().map(|(ids, _)| padded(ids, len, pad)).collect();
-            let labels: Vec<Vec<i64>> = rows.iter().map(|(_, l)| padded(l, len, lt_data::IGNORE_INDEX)).collect();
-            let n = lt_model::model::loss_token_count(&labels);
-            if n == 0 {
-                continue;
+    let log_eval_loss =
+        |dm: &DeviceModel<lt_model::CpuBackend>, metrics: &mut std::fs::File, step: u64| -> Result<()> {
+            let (mut sum, mut count) = (0.0f64, 0usize);
+            for rows in eval_rows.chunks(32) {
+                let len = rows.iter().map(|(ids, _)| ids.len()).max().unwrap_or(0);
+                let pad = encoder.tokenizer().pad_id().unwrap_or(0);
+                let ids: Vec<Vec<u32>> = rows.iter().map(|(ids, _)| padded(ids, len, pad)).collect();
+                let labels: Vec<Vec<i64>> = rows.iter().map(|(_, l)| padded(l, len, lt_data::IGNORE_INDEX)).collect();
+                let n = lt_model::model::loss_token_count(&labels);
+                if n == 0 {
+                    continue;
+                }
+                let logits = lt_model::model::forward_logits(dm, &ids);
+                let loss = lt_model::model::to_vec(lt_model::model::causal_lm_loss(logits, &labels));
+                sum += f64::from(loss.first().copied().unwrap_or(f32::NAN)) * n as f64;
+                count += n;
             }
-            let logits = lt_model::model::forward_logits(&dm, &ids);
-            let loss = lt_model::model::to_vec(lt_model::model::causal_lm_loss(logits, &labels));
-            sum += f64::from(loss.first().copied().unwrap_or(f32::NAN)) * n as f64;
-            count += n;
-        }
-        Ok((count > 0).then(|| sum / count as f64))
-    };
-    let log_eval_loss = |trainer: &mut Trainer<B>, metrics: &mut std::fs::File, step: u64| -> Result<()> {
-        if let Some(l) = eval_loss(trainer)? {
-            writeln!(metrics, "{}", serde_json::json!({"step": step, "eval_loss": l}))
-                .with_context(|| format!("{}: write failed", s.metrics.display()))?;
-        }
-        Ok(())
-    };
+            if count > 0 {
+                writeln!(metrics, "{}", serde_json::json!({"step": step, "eval_loss": sum / count as f64}))
+                    .with_context(|| format!("{}: write failed", s.metrics.display()))?;
+            }
+            Ok(())
+        };
+    let cpu_copy = |host: &HostModel| DeviceModel::<lt_model::CpuBackend>::from_host(host, &Default::default());
+    let loss_wanted = s.eval_loss_every > 0 && !eval_rows.is_empty();
+    let em_wanted = !prepared.eval_examples.is_empty();
 
     let pb = crate::progress::bar(s.steps, "train");
     pb.set_position(completed);
@@ -918,11 +908,16 @@ where
         if s.save_every > 0 && m.step % s.save_every == 0 && m.step < s.steps {
             save(&mut trainer, &batcher)?;
         }
-        if s.eval_loss_every > 0 && m.step % s.eval_loss_every == 0 && m.step < s.steps {
-            log_eval_loss(&mut trainer, &mut metrics, m.step)?;
-        }
-        if s.eval_every > 0 && m.step % s.eval_every == 0 && m.step < s.steps {
-            if let Some(acc) = eval_now(&mut trainer, "eval")? {
+        let loss_now = loss_wanted && m.step % s.eval_loss_every == 0 && m.step < s.steps;
+        let em_now = em_wanted && s.eval_every > 0 && m.step % s.eval_every == 0 && m.step < s.steps;
+        if loss_now || em_now {
+            trainer.flush()?;
+            let dm = cpu_copy(&trainer.model.snapshot());
+            if loss_now {
+                log_eval_loss(&dm, &mut metrics, m.step)?;
+            }
+            if em_now {
+                let acc = eval_now(&dm, "eval")?;
                 let line = serde_json::json!({"step": m.step, "eval_exact_match": acc.rate(), "eval": acc});
                 writeln!(metrics, "{line}").ok();
                 eprintln!("step {}: held-out exact match {}", m.step, acc.summary());
@@ -945,10 +940,15 @@ where
         &trace_path,
         trainer.trace().chrome_json(last_step.saturating_sub(1)..=last_step).as_bytes(),
     )?;
-    if s.eval_loss_every > 0 {
-        log_eval_loss(&mut trainer, &mut metrics, last_step)?;
+    // `snap` was taken after the final save flushed the optimizer: score that copy.
+    let dm = (loss_wanted || em_wanted).then(|| cpu_copy(&snap));
+    if let Some(dm) = dm.as_ref().filter(|_| loss_wanted) {
+        log_eval_loss(dm, &mut metrics, last_step)?;
     }
-    let final_acc = eval_now(&mut trainer, "final eval")?;
+    let final_acc = match dm.as_ref().filter(|_| em_wanted) {
+        Some(dm) => Some(eval_now(dm, "final eval")?),
+        None => None,
+    };
     if let Some(acc) = &final_acc {
         let line = serde_json::json!({"step": last_step, "eval_exact_match": acc.rate(), "eval": acc, "final": true});
         writeln!(metrics, "{line}").ok();
