@@ -64,20 +64,23 @@ fn main() {
         Command::Selftest(a) => cmd::selftest::run(a),
     };
     if let Err(e) = result {
-        // One line: the error and its causes, outermost first. Library errors often print their
-        // source already, so a cause whose text is already present is not repeated.
-        let mut msg = String::new();
-        for cause in e.chain() {
-            let text = cause.to_string();
-            if !msg.contains(&text) {
-                if !msg.is_empty() {
-                    msg.push_str(": ");
-                }
-                msg.push_str(&text);
-            }
-        }
-        let msg = msg.replace('\n', " ");
-        eprintln!("error: {msg}");
+        eprintln!("error: {}", error_line(&e));
         std::process::exit(1);
     }
+}
+
+/// An error and its causes on one line, outermost first. Library errors often print their source
+/// already, so a cause whose text is already present is not repeated.
+pub(crate) fn error_line(e: &anyhow::Error) -> String {
+    let mut msg = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if !msg.contains(&text) {
+            if !msg.is_empty() {
+                msg.push_str(": ");
+            }
+            msg.push_str(&text);
+        }
+    }
+    msg.replace('\n', " ")
 }

@@ -180,23 +180,8 @@ impl Failure {
                 break;
             }
         }
-        Self { kind, message: one_line(e) }
+        Self { kind, message: crate::error_line(e) }
     }
-}
-
-/// An error and its causes on one line, skipping causes whose text is already present.
-fn one_line(e: &anyhow::Error) -> String {
-    let mut msg = String::new();
-    for cause in e.chain() {
-        let text = cause.to_string();
-        if !msg.contains(&text) {
-            if !msg.is_empty() {
-                msg.push_str(": ");
-            }
-            msg.push_str(&text);
-        }
-    }
-    msg.replace('\n', " ")
 }
 
 /// Whether a panic message is a device allocator running out of memory.
