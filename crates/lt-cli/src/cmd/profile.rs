@@ -518,6 +518,17 @@ fn layer_seconds<B: AutodiffBackend>(
     Ok((best(&fwd), best(&bwd)))
 }
 
+/// The step shape the efficiency fit models: one sequence, no accumulation, the loss in one chunk.
+fn calibration_exec(seq: usize) -> ExecConfig {
+    ExecConfig {
+        micro_batch_size: 1,
+        grad_accum_steps: 1,
+        loss_chunk_tokens: seq,
+        optimizer_overlap: lt_sched::OptimizerOverlap::Serial,
+        retain_all_logits: false,
+    }
+}
+
 /// The efficiency that makes the cost model's layer time (forward plus backward, as
 /// `lt_sched::cost` defines them) equal `measured` seconds at the measured `peak`. Returns the
 /// efficiency, the cost model's FLOPs of that work, and whether it had to be clamped into (0, 1].
@@ -539,13 +550,7 @@ fn fit_efficiency(
     let mut hw = base;
     hw.peak_tflops = peak;
     hw.efficiency = 1.0;
-    let ecfg = ExecConfig {
-        micro_batch_size: 1,
-        grad_accum_steps: 1,
-        loss_chunk_tokens: seq,
-        optimizer_overlap: lt_sched::OptimizerOverlap::Serial,
-        retain_all_logits: false,
-    };
+    let ecfg = calibration_exec(seq);
     let inst = Instance::from_model(cfg, &hw, seq, &ecfg, CostOptions::default())?;
     let l = inst.layers.first().context("no layer in the calibration instance")?;
     // With efficiency 1 the model predicts `fwd + bwd` seconds; efficiency scales it inversely.
@@ -887,13 +892,7 @@ mod tests {
         let mut hw = BuiltinProfile::Cpu.profile();
         hw.peak_tflops = 0.05;
         hw.efficiency = eff;
-        let ecfg = ExecConfig {
-            micro_batch_size: 1,
-            grad_accum_steps: 1,
-            loss_chunk_tokens: seq,
-            optimizer_overlap: lt_sched::OptimizerOverlap::Serial,
-            retain_all_logits: false,
-        };
+        let ecfg = calibration_exec(seq);
         let inst = Instance::from_model(&cfg, &hw, seq, &ecfg, CostOptions::default()).unwrap();
         let t = inst.layers[0].fwd_seconds + inst.layers[0].bwd_seconds;
         assert!((t / 0.5 - 1.0).abs() < 1e-9, "{t}");
