@@ -5,11 +5,14 @@
 //! first moment, [`QuantMap::unsigned`] for the second). Dequantization is `map[code] * absmax`.
 //!
 //! # Which code is chosen
-//! The code of `x` is the nearest map entry to `x / absmax` (an exact f32 division), ties to the lower
+//! The code of `x` is the nearest map entry to `x * (1 / absmax)` (the f32 reciprocal, rounded once,
+//! times `x`: the normalisation of bitsandbytes' CUDA `kQuantizeBlockwise`), ties to the lower
 //! index: [`QuantMap::quantize_reference`] binary-searches the largest entry `<= x` and moves one right
 //! iff the right neighbour is *strictly* nearer, both distances in f32. This is the rule bitsandbytes'
 //! CPU kernel (`quantize_block` in `csrc/common.cpp`) is written to implement; a normalised NaN (an
-//! all-zero block gives `0/0`) yields code 0, as there.
+//! all-zero block gives `0/0`) yields code 0, as there. That kernel divides by absmax instead of
+//! multiplying by its reciprocal; the two normalised values differ by at most an ulp, which changes a
+//! code only for a value within that ulp of a decision point.
 //!
 //! ## How bitsandbytes' CPU path actually differs (0.50.2, measured by `tools/fixtures/gen_optim.py`)
 //! Its binary search (`BinAlgo<Scalar, float, Direct2>`) indexes a bucket grid that is far coarser
@@ -269,7 +272,8 @@ impl QuantMap {
         &self.planes
     }
 
-    /// Quantizes one block: `absmax = max |x|`, codes of `x / absmax`. Returns `absmax`.
+    /// Quantizes one block: `absmax = max |x|`, codes of `x * (1 / absmax)` (see
+    /// `quantize_block_with`). Returns `absmax`.
     /// Elements beyond the shorter of `x` and `out` are ignored.
     pub fn quantize_block(&self, x: &[f32], out: &mut [u8]) -> f32 {
         let absmax = block_absmax(x);
@@ -277,10 +281,20 @@ impl QuantMap {
         absmax
     }
 
-    /// Codes of `x / absmax` for a given absmax (exact f32 division).
+    /// Codes of the normalised block for a given absmax: `x * (1 / absmax)`, the reciprocal rounded
+    /// once (what bitsandbytes' CUDA `kQuantizeBlockwise` does; one multiply per element instead of
+    /// a division). When the reciprocal is not finite (absmax zero, subnormal or NaN) it is
+    /// `x / absmax`, so an all-zero block still normalises to `0 / 0` and takes code 0.
     pub(crate) fn quantize_block_with(&self, x: &[f32], absmax: f32, out: &mut [u8]) {
-        for (o, &v) in out.iter_mut().zip(x) {
-            *o = self.quantize(v / absmax);
+        let r = 1.0 / absmax;
+        if r.is_finite() {
+            for (o, &v) in out.iter_mut().zip(x) {
+                *o = self.quantize(v * r);
+            }
+        } else {
+            for (o, &v) in out.iter_mut().zip(x) {
+                *o = self.quantize(v / absmax);
+            }
         }
     }
 
