@@ -20,6 +20,7 @@ pub mod host;
 pub mod layer;
 pub mod model;
 pub mod ops;
+pub mod upload;
 pub mod weights;
 
 pub use error::ModelError;

@@ -5,8 +5,8 @@
 //! `load` (bind host buffers), `visit` (read every tensor with its checkpoint name) and `map`
 //! (move every tensor to another backend, e.g. lift into autodiff with `require_grad`).
 
+use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData};
 use lt_core::{LayerKind, ModelConfig};
 
 use crate::host::{HostLayer, HostModel, HostTensor};
@@ -246,13 +246,12 @@ impl<B: Backend> DeviceModel<B> {
     }
 }
 
-/// Build a device tensor from an fp32 host tensor.
+/// Build a device tensor from an fp32 host tensor (see [`crate::upload`]).
 ///
 /// # Panics
 /// If `D` differs from the host tensor's rank (a programmer error).
 pub fn host_tensor<B: Backend, const D: usize>(t: &HostTensor, device: &B::Device) -> Tensor<B, D> {
-    assert_eq!(t.shape.len(), D, "rank mismatch binding a host tensor");
-    Tensor::from_data(TensorData::new(t.data.clone(), t.shape.clone()), device)
+    crate::upload::upload(&t.data, &t.shape, device)
 }
 
 struct HostLayerSource<'a, B: Backend> {
