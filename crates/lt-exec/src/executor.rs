@@ -23,10 +23,11 @@ use lt_model::layer::{SeqCtx, layer_backward, layer_forward};
 use lt_model::model::{Batch, embed, shifted_targets, to_vec};
 use lt_model::ops;
 use lt_model::weights::{HeadWeights, LayerWeights};
+use lt_optim::ThreadPool;
 
 use crate::budget::DeviceBudget;
 use crate::error::ExecError;
-use crate::grads::{HostGrads, accumulate_sq};
+use crate::grads::{HostGrads, accumulate_data};
 use crate::plan::{ExecPlan, Placement};
 use crate::state::{HEAD, SharedModel, layer_slot};
 use crate::trace::{Stream, Trace};
@@ -114,18 +115,28 @@ pub struct Executor<B: AutodiffBackend> {
     device_memory: ByteSize,
     trace: Arc<Trace>,
     spill: Option<Arc<dyn ActivationSpill>>,
+    /// Threads that help the d2h stream widen and accumulate downloaded gradients.
+    d2h_pool: Arc<ThreadPool>,
     step: u64,
     _b: PhantomData<B>,
 }
 
-/// Bytes per weight element on the device (f32 on ndarray; bf16 on CUDA).
-fn weight_elem_bytes<B: Backend>() -> u64 {
-    4
+/// Threads for the d2h stream's gradient accumulation: a quarter of the cores, 1 to 4 (the optimizer
+/// and the upload conversion want the rest).
+fn d2h_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |c| c.get() / 4).clamp(1, 4)
+}
+
+/// Bytes per float element on the device: the backend's float dtype (f32 on ndarray, bf16 on CUDA),
+/// as the planner's `compute_dtype_bytes`.
+fn elem_bytes<B: Backend>() -> u64 {
+    std::mem::size_of::<<B as burn::tensor::backend::BackendTypes>::FloatElem>() as u64
 }
 
 /// Estimated extra device bytes one layer's forward+backward needs beyond its input and output
-/// (autodiff intermediates and the attention scores). Kept deliberately simple and conservative.
-pub fn layer_working_bytes(cfg: &ModelConfig, b: usize, t: usize) -> u64 {
+/// (autodiff intermediates and the attention scores) with `elem`-byte floats. Kept deliberately
+/// simple and conservative.
+pub fn layer_working_bytes(cfg: &ModelConfig, b: usize, t: usize, elem: u64) -> u64 {
     let tok = (b * t) as u64;
     let h = cfg.hidden_size as u64;
     let i = cfg.intermediate_size as u64;
@@ -134,7 +145,7 @@ pub fn layer_working_bytes(cfg: &ModelConfig, b: usize, t: usize) -> u64 {
     let lin = cfg.linear.map_or(0, |l| (l.conv_dim() + 2 * l.value_dim()) as u64);
     let per_token = 8 * h + 4 * i + 2 * q + 2 * kv + 3 * lin;
     let scores = (b * cfg.num_heads * t * t) as u64 * 3;
-    4 * (tok * per_token + scores)
+    elem * (tok * per_token + scores)
 }
 
 /// Bytes the head needs per loss chunk (logits, log-softmax and their gradient).
@@ -150,7 +161,8 @@ impl<B: AutodiffBackend> Executor<B> {
         device: Dev<B>,
         spill: Option<Arc<dyn ActivationSpill>>,
     ) -> Self {
-        Self { plan, device, device_memory, trace: Arc::new(Trace::new()), spill, step: 0, _b: PhantomData }
+        let d2h_pool = Arc::new(ThreadPool::new_or_calling_thread(d2h_threads()));
+        Self { plan, device, device_memory, trace: Arc::new(Trace::new()), spill, d2h_pool, step: 0, _b: PhantomData }
     }
 
     /// The plan being executed.
@@ -179,13 +191,13 @@ impl<B: AutodiffBackend> Executor<B> {
 
     /// Walk the plan's allocation sequence on `budget` (no compute). Mirrors `micro_batch`.
     fn account(&self, budget: &mut DeviceBudget, cfg: &ModelConfig, b: usize, t: usize) -> Result<(), ExecError> {
-        let act = (b * t * cfg.hidden_size * 4) as u64;
-        let we = weight_elem_bytes::<Inner<B>>();
+        let we = elem_bytes::<Inner<B>>();
+        let act = (b * t * cfg.hidden_size) as u64 * we;
         let head = cfg.outer_params().iter().map(|p| p.numel() as u64).sum::<u64>() * we;
         let layer_max = (0..cfg.num_layers()).map(|i| cfg.layer_numel(i) as u64).max().unwrap_or(0) * we;
         budget.alloc(head, || "embedding, final norm and head weights".into())?;
         budget.alloc(2 * layer_max, || "two layer weight buffers (double buffering)".into())?;
-        budget.alloc(layer_working_bytes(cfg, b, t), || "one layer's working set".into())?;
+        budget.alloc(layer_working_bytes(cfg, b, t, we), || "one layer's working set".into())?;
         budget.alloc(act, || "boundary 0".into())?;
         let l = cfg.num_layers();
         for i in 1..=l {
@@ -305,7 +317,7 @@ impl<B: AutodiffBackend> Executor<B> {
             };
             // --- d2h stream ---
             let down = {
-                let (trace, acts, spill, plan) = (&trace, &acts, &spill, &plan);
+                let (trace, acts, spill, plan, pool) = (&trace, &acts, &spill, &plan, &*self.d2h_pool);
                 scope.spawn(move || -> Result<Option<f64>, ExecError> {
                     let mut sq = 0.0f64;
                     for msg in down_rx {
@@ -332,24 +344,31 @@ impl<B: AutodiffBackend> Executor<B> {
                                     _ => acts.put(s, Held::Host(data)),
                                 }
                             }
-                            Down::Layer(j, params) => trace.span(Stream::D2h, step, format!("grads L{j}"), || {
-                                let host: Vec<Vec<f32>> = params.into_iter().map(|(_, g)| to_vec(g)).collect();
-                                let mut dst = grads.layer(j);
-                                for (k, g) in host.iter().enumerate() {
-                                    sq += accumulate_sq(&mut dst[k], g);
-                                }
-                            }),
-                            Down::Head { norm, out } => trace.span(Stream::D2h, step, "grads head", || {
-                                let (norm, out) = (to_vec(norm), to_vec(out));
-                                let mut hg = grads.head();
-                                sq += accumulate_sq(&mut hg.norm, &norm);
-                                match &mut hg.lm_head {
-                                    Some(h) => sq += accumulate_sq(h, &out),
-                                    None => {
-                                        accumulate_sq(&mut hg.embed_tokens, &out);
+                            Down::Layer(j, params) => {
+                                trace.span(Stream::D2h, step, format!("grads L{j}"), || -> Result<(), ExecError> {
+                                    let host: Vec<TensorData> =
+                                        params.into_iter().map(|(_, g)| g.into_data()).collect();
+                                    let mut dst = grads.layer(j);
+                                    for (k, g) in host.iter().enumerate() {
+                                        sq += accumulate_data(&mut dst[k], g, pool)?;
                                     }
-                                }
-                            }),
+                                    Ok(())
+                                })?
+                            }
+                            Down::Head { norm, out } => {
+                                trace.span(Stream::D2h, step, "grads head", || -> Result<(), ExecError> {
+                                    let (norm, out) = (norm.into_data(), out.into_data());
+                                    let mut hg = grads.head();
+                                    sq += accumulate_data(&mut hg.norm, &norm, pool)?;
+                                    match &mut hg.lm_head {
+                                        Some(h) => sq += accumulate_data(h, &out, pool)?,
+                                        None => {
+                                            accumulate_data(&mut hg.embed_tokens, &out, pool)?;
+                                        }
+                                    }
+                                    Ok(())
+                                })?
+                            }
                             Down::Embed(g0) => trace.span(Stream::D2h, step, "grads embed", || {
                                 let g0 = to_vec(g0);
                                 let mut hg = grads.head();

@@ -63,9 +63,7 @@ impl ThreadPool {
     /// A pool in which `threads` threads (the caller plus `threads - 1` workers) share the work.
     /// `threads == 0` is treated as 1.
     pub fn new(threads: usize) -> Result<Self> {
-        let shared =
-            Arc::new(Shared { state: Mutex::new(State::default()), work: Condvar::new(), done: Condvar::new() });
-        let mut pool = ThreadPool { shared, workers: Vec::new(), busy: Mutex::new(()) };
+        let mut pool = Self::calling_thread();
         for i in 1..threads.max(1) {
             let shared = Arc::clone(&pool.shared);
             let handle = std::thread::Builder::new()
@@ -75,6 +73,18 @@ impl ThreadPool {
             pool.workers.push(handle);
         }
         Ok(pool)
+    }
+
+    /// As [`ThreadPool::new`], or the calling thread alone when no worker thread can be started.
+    pub fn new_or_calling_thread(threads: usize) -> Self {
+        Self::new(threads).unwrap_or_else(|_| Self::calling_thread())
+    }
+
+    /// A pool of the calling thread only (starts no thread).
+    fn calling_thread() -> Self {
+        let shared =
+            Arc::new(Shared { state: Mutex::new(State::default()), work: Condvar::new(), done: Condvar::new() });
+        ThreadPool { shared, workers: Vec::new(), busy: Mutex::new(()) }
     }
 
     /// Number of threads that run a broadcast (the caller included).
