@@ -2,9 +2,10 @@
 //! (`lt plan`, `lt train`, `lt bench train`) loads through lt-sched's `load_profile`.
 //!
 //! What is measured, and which profile field it fills:
-//! - **Transfers** (`h2d_gb_per_s`, `d2h_gb_per_s`): on CUDA, uploads and downloads of a large tensor in
-//!   the device dtype through Burn (the path the executor uses; host memory is not pinned), best of
-//!   several, device synchronised before the timer stops. On the CPU executor "transfers" are memory
+//! - **Transfers** (`h2d_gb_per_s`, `d2h_gb_per_s`): on CUDA, uploads of a large fp32 tensor along the
+//!   executor's own path (`lt_model::upload`: threaded conversion to the device dtype, pinned staging,
+//!   copy) and downloads through Burn, best of several, device synchronised before the timer stops;
+//!   uploads of native-dtype data from pageable and from pinned memory are reported beside them. On the CPU executor "transfers" are memory
 //!   copies, so a `memcpy` of the same size stands in (labelled so).
 //! - **GEMM** (`peak_tflops`): the best of several square matmuls (bf16 on CUDA, f32 on ndarray) is
 //!   the *achievable* dense peak that the cost model scales.
@@ -198,9 +199,11 @@ fn layer_config(device: DeviceChoice, quick: bool) -> Result<(ModelConfig, usize
 struct Measured {
     h2d_gb_per_s: Option<f64>,
     d2h_gb_per_s: Option<f64>,
-    /// CUDA: uploads of fp32 host data as the executor does them (converted to the device dtype),
-    /// bytes counted in the device dtype.
-    h2d_executor_path_gb_per_s: Option<f64>,
+    /// CUDA: `Tensor::from_data` of native-dtype data in pageable memory (`h2d_gb_per_s` is the
+    /// executor's whole path from fp32 masters).
+    h2d_pageable_gb_per_s: Option<f64>,
+    /// CUDA: the same from data already in pinned staging memory.
+    h2d_pinned_gb_per_s: Option<f64>,
     transfer_source: Option<String>,
     transfer_bytes: Option<usize>,
     gemm_tflops: Option<f64>,
@@ -360,16 +363,24 @@ fn measure_backend<B: AutodiffBackend>(
                 say(format!("transfers (memcpy stand-in, {}): {gbs:.2} GB/s", ByteSize(sizes.transfer_bytes as u64)));
             }
             DeviceChoice::Cuda => {
-                let (h2d, d2h, exec) = transfers::<B::InnerBackend>(device, sizes.transfer_bytes, sizes.transfer_reps)?;
-                m.h2d_gb_per_s = Some(h2d);
-                m.d2h_gb_per_s = Some(d2h);
-                m.h2d_executor_path_gb_per_s = Some(exec);
-                m.transfer_source =
-                    Some("Burn from_data / into_data in the device dtype, synchronised, best of several".into());
+                let r = transfers::<B::InnerBackend>(device, sizes.transfer_bytes, sizes.transfer_reps)?;
+                m.h2d_gb_per_s = Some(r.h2d_executor);
+                m.d2h_gb_per_s = Some(r.d2h);
+                m.h2d_pageable_gb_per_s = Some(r.h2d_pageable);
+                m.h2d_pinned_gb_per_s = Some(r.h2d_pinned);
+                m.transfer_source = Some(
+                    "uploads: the executor's path from fp32 masters (threaded conversion, pinned staging, copy); \
+downloads: Burn into_data; device dtype, synchronised, best of several"
+                        .into(),
+                );
                 say(format!(
-                    "transfers ({}): h2d {h2d:.2} GB/s, d2h {d2h:.2} GB/s, h2d from fp32 as the executor uploads \
-{exec:.2} GB/s",
-                    ByteSize(sizes.transfer_bytes as u64)
+                    "transfers ({}): h2d as the executor uploads {:.2} GB/s (from pageable native data {:.2}, from \
+pinned {:.2}), d2h {:.2} GB/s",
+                    ByteSize(sizes.transfer_bytes as u64),
+                    r.h2d_executor,
+                    r.h2d_pageable,
+                    r.h2d_pinned,
+                    r.d2h
                 ));
             }
         }
@@ -432,18 +443,33 @@ fn sync<B: Backend>(device: &B::Device) -> Result<()> {
     B::sync(device).map_err(|e| anyhow::anyhow!("device synchronisation failed: {e:?}"))
 }
 
-/// Upload and download bandwidth of `bytes` in the device dtype, and the upload rate of fp32 host
-/// data as the executor hands it over (converted on the way; bytes counted in the device dtype).
-fn transfers<B: Backend>(device: &B::Device, bytes: usize, reps: usize) -> Result<(f64, f64, f64)> {
+/// Measured transfer rates, in GB/s of data in the device dtype.
+struct TransferRates {
+    /// `Tensor::from_data` of native-dtype data in ordinary (pageable) host memory.
+    h2d_pageable: f64,
+    /// The same after `Backend::staging` moved the data into the backend's staging memory (pinned
+    /// on CUDA); the staging copy itself is not timed.
+    h2d_pinned: f64,
+    /// The executor's whole upload path from an fp32 master (`lt_model::upload::upload`: threaded
+    /// conversion, staging unless `LT_PINNED_UPLOADS=0`, copy), what the planner should assume.
+    h2d_executor: f64,
+    /// `into_data` of the uploaded tensor.
+    d2h: f64,
+}
+
+/// Upload and download bandwidth of `bytes` in the device dtype, three ways for uploads (see
+/// [`TransferRates`]), best of `reps`, the device synchronised before each timer stops.
+fn transfers<B: Backend>(device: &B::Device, bytes: usize, reps: usize) -> Result<TransferRates> {
     let elem = std::mem::size_of::<<B as BackendTypes>::FloatElem>().max(1);
     let n = bytes / elem;
     let host: Vec<f32> = (0..n).map(|i| ((i % 1000) as f32) * 1e-3).collect();
     let native = TensorData::new(host.clone(), [n]).convert::<<B as BackendTypes>::FloatElem>();
-    // Warm-up: context creation, allocator pages, kernels.
+    // Warm-up: context creation, allocator pages, kernels, the pinned pool.
     let t0: Tensor<B, 1> = Tensor::from_data(native.clone(), device);
     let _ = t0.clone().into_data();
+    let _w: Tensor<B, 1> = lt_model::upload::upload(&host, &[n], device);
     sync::<B>(device)?;
-    let (mut up, mut down, mut exec) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut up, mut pinned, mut down, mut exec) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for _ in 0..reps.max(1) {
         let data = native.clone();
         let t = Instant::now();
@@ -454,15 +480,21 @@ fn transfers<B: Backend>(device: &B::Device, bytes: usize, reps: usize) -> Resul
         let back = x.into_data();
         down.push(t.elapsed().as_secs_f64());
         std::hint::black_box(back);
-        let data = TensorData::new(host.clone(), [n]);
+        let mut data = native.clone();
+        B::staging(std::iter::once(&mut data), device);
         let t = Instant::now();
-        let y: Tensor<B, 1> = Tensor::from_data(data, device);
+        let z: Tensor<B, 1> = Tensor::from_data(data, device);
+        sync::<B>(device)?;
+        pinned.push(t.elapsed().as_secs_f64());
+        drop(z);
+        let t = Instant::now();
+        let y: Tensor<B, 1> = lt_model::upload::upload(&host, &[n], device);
         sync::<B>(device)?;
         exec.push(t.elapsed().as_secs_f64());
         drop(y);
     }
-    let b = (n * elem) as f64;
-    Ok((b / best(&up) / 1e9, b / best(&down) / 1e9, b / best(&exec) / 1e9))
+    let gbs = |t: &[f64]| (n * elem) as f64 / best(t) / 1e9;
+    Ok(TransferRates { h2d_pageable: gbs(&up), h2d_pinned: gbs(&pinned), h2d_executor: gbs(&exec), d2h: gbs(&down) })
 }
 
 /// Best achieved TFLOPS of an `n^3` matmul.
@@ -722,8 +754,10 @@ fn build_profile(
         match measured {
             Some(v) => {
                 *slot = v;
-                let extra = match (key, m.h2d_executor_path_gb_per_s) {
-                    ("h2d_gb_per_s", Some(e)) => format!("; fp32 host data as the executor uploads it: {e:.3} GB/s"),
+                let extra = match (key, m.h2d_pageable_gb_per_s, m.h2d_pinned_gb_per_s) {
+                    ("h2d_gb_per_s", Some(pg), Some(pn)) => {
+                        format!("; native data from pageable memory {pg:.3} GB/s, from pinned {pn:.3} GB/s")
+                    }
                     _ => String::new(),
                 };
                 field(key, format!("{v:?}"), format!("measured: {source}{extra}"));
