@@ -16,7 +16,7 @@ use std::sync::{Arc, Condvar, Mutex};
 
 use burn::tensor::activation::log_softmax;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{DType, Int, Tensor, TensorData};
 use crossbeam::channel;
 use lt_core::{ByteSize, ModelConfig};
 use lt_model::layer::{SeqCtx, layer_backward, layer_forward};
@@ -45,9 +45,11 @@ pub trait ActivationSpill: Send + Sync {
     fn free(&self, key: u64);
 }
 
+/// An offloaded boundary, in the device's dtype (bf16 on CUDA: host memory and NVMe hold 2 bytes
+/// per element, as the planner counts them).
 enum Held {
-    Host(Vec<f32>),
-    Nvme,
+    Host(TensorData),
+    Nvme(DType),
     Failed(String),
 }
 
@@ -323,20 +325,19 @@ impl<B: AutodiffBackend> Executor<B> {
                     for msg in down_rx {
                         match msg {
                             Down::Offload(s, x) => {
-                                let data = trace.span(Stream::D2h, step, format!("offload B{s}"), || to_vec(x));
+                                let data = trace.span(Stream::D2h, step, format!("offload B{s}"), || x.into_data());
                                 match plan.boundaries[s] {
                                     Placement::Nvme => {
-                                        let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
                                         let r = match spill.as_deref() {
                                             Some(sp) => trace.span(Stream::Nvme, step, format!("spill B{s}"), || {
-                                                sp.put(s as u64, &bytes)
+                                                sp.put(s as u64, data.as_bytes())
                                             }),
                                             None => Ok(()),
                                         };
                                         acts.put(
                                             s,
                                             match r {
-                                                Ok(()) => Held::Nvme,
+                                                Ok(()) => Held::Nvme(data.dtype),
                                                 Err(e) => Held::Failed(e.to_string()),
                                             },
                                         );
@@ -486,15 +487,15 @@ fn fetch_act<B: Backend>(
     shape: [usize; 3],
     device: &B::Device,
 ) -> Result<Tensor<B, 3>, ExecError> {
-    let data = match acts.take(s) {
-        Held::Host(v) => v,
-        Held::Nvme => {
+    let mut data = match acts.take(s) {
+        Held::Host(data) => data,
+        Held::Nvme(dtype) => {
             let sp = spill.ok_or(ExecError::NoSpillStore { boundary: s })?;
             let n = shape.iter().product::<usize>();
-            let mut bytes = vec![0u8; n * 4];
+            let mut bytes = vec![0u8; n * dtype.size()];
             trace.span(Stream::Nvme, step, format!("read B{s}"), || sp.get(s as u64, &mut bytes))?;
             sp.free(s as u64);
-            bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+            TensorData::from_bytes_vec(bytes, shape, dtype)
         }
         Held::Failed(e) => {
             return Err(ExecError::Storage(lt_storage::StorageError::Io {
@@ -504,8 +505,12 @@ fn fetch_act<B: Backend>(
             }));
         }
     };
-    Ok(trace
-        .span(Stream::H2d, step, format!("reload B{s}"), || Tensor::from_data(TensorData::new(data, shape), device)))
+    Ok(trace.span(Stream::H2d, step, format!("reload B{s}"), || {
+        if lt_model::upload::pinned_uploads() {
+            B::staging(std::iter::once(&mut data), device);
+        }
+        Tensor::from_data(data, device)
+    }))
 }
 
 /// Chunked head and loss with backward: returns the loss share, d loss / d x_L, and the gradients of

@@ -583,7 +583,9 @@ fn bench_on<B: AutodiffBackend>(
             }
         };
         // Room for every spilled boundary of one micro-batch, in whole 4 MiB requests (as lt train).
-        let act = (micro * s.seq_len * cfg.hidden_size * 4) as u64;
+        // Offloaded boundaries are stored in the device dtype (bf16 on CUDA).
+        let elem = std::mem::size_of::<<B::InnerBackend as burn::tensor::backend::BackendTypes>::FloatElem>() as u64;
+        let act = (micro * s.seq_len * cfg.hidden_size) as u64 * elem;
         Some(crate::spill::open(&dir, nvme * act.div_ceil(4 << 20).max(1) * (4 << 20)).map_err(err)?)
     } else {
         None

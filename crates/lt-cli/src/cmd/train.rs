@@ -737,7 +737,9 @@ where
     let nvme_boundaries = chosen.plan.boundaries.iter().filter(|p| **p == Placement::Nvme).count() as u64;
     let spill = if nvme_boundaries > 0 {
         // Room for every spilled boundary of one micro-batch, rounded up to whole 4 MiB requests.
-        let act = (micro * s.seq_len * cfg.hidden_size * 4) as u64;
+        // Offloaded boundaries are stored in the device dtype (bf16 on CUDA).
+        let elem = std::mem::size_of::<<B::InnerBackend as burn::tensor::backend::BackendTypes>::FloatElem>() as u64;
+        let act = (micro * s.seq_len * cfg.hidden_size) as u64 * elem;
         let capacity = nvme_boundaries * act.div_ceil(4 << 20).max(1) * (4 << 20);
         Some(crate::spill::open(&s.spill_dir, capacity)?)
     } else {
