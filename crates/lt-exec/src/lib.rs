@@ -18,6 +18,7 @@
 //! let r = ex.micro_batch(&model, &batch, batch.loss_tokens(), true, &grads, 0).unwrap();
 //! println!("loss {}", r.loss);
 //! ```
+#![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
 
 pub mod budget;
 pub mod error;
