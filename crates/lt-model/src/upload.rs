@@ -9,8 +9,9 @@
 //! Here:
 //! - **one pass, several threads:** each thread converts its own range (f32 -> bf16 or f16 with
 //!   round-to-nearest-even, bit for bit what Burn's conversion through `half` gives, bf16 without
-//!   branches so it vectorizes; a plain copy for f32 backends) straight into the output, so the first-touch page faults are spread over the threads
-//!   too ([`PREP_THREADS`] at most, only for tensors of [`PAR_MIN`] elements or more);
+//!   branches so it vectorizes; a plain copy for f32 backends) straight into the output, so the
+//!   first-touch page faults are spread over the threads too ([`PREP_THREADS`] at most, only for
+//!   tensors of [`PAR_MIN`] elements or more);
 //! - **pinned staging:** [`Backend::staging`] then moves the buffer into the backend's staging memory:
 //!   on burn-cuda, cubecl's pool of pinned host memory, so the copy to the device is an asynchronous
 //!   DMA instead of the driver's synchronous bounce through its own pinned buffers (the CPU backends
@@ -46,9 +47,9 @@ pub fn host_data(x: &[f32], shape: &[usize], dtype: DType) -> TensorData {
     }
 }
 
-/// Uploads fp32 host values as a device tensor of backend `B`: [`host_data`] in the backend's
-/// float dtype, then
-/// [`Backend::staging`] (unless disabled, see [`pinned_uploads`]), then `Tensor::from_data`.
+/// Uploads fp32 host values as a device tensor of backend `B`: [`host_data`] in the backend's float
+/// dtype, then [`Backend::staging`] (unless disabled, see [`pinned_uploads`]), then
+/// `Tensor::from_data`.
 ///
 /// # Panics
 /// If `shape` has a rank other than `D` or a different number of elements than `x` (programmer
@@ -65,7 +66,7 @@ pub fn upload<B: Backend, const D: usize>(x: &[f32], shape: &[usize], device: &B
 
 /// f32 -> bf16, bit for bit `half::bf16::from_f32` (round to nearest even; a NaN keeps its top
 /// mantissa bits and gets the quiet bit), written without branches so the conversion loop
-/// vectorizes: twice `half`'s per-element speed on the development machine.
+/// vectorizes (`cargo bench -p benches --bench upload`: 4.57 GB/s against 3.00 with `half`).
 #[inline(always)]
 fn bf16_rne(v: f32) -> half::bf16 {
     let x = v.to_bits();
