@@ -318,7 +318,7 @@ fn state_bytes(kind: OptimizerChoice, n: usize) -> u64 {
 /// Host bytes the trainer allocates for `cfg`: fp32 masters (4 B/param), fp32 gradients (4),
 /// optimizer state (about 2.03 B/param for adamw8bit — 8-bit codes for `m` and `v` plus one f32
 /// absmax each per 256-element block, fp32 state below 4096 elements — and 8 for adamw), plus the
-/// activations the plan keeps in host memory for one micro-batch. Transient per-layer buffers of the
+/// activations the plan keeps in host memory for one micro-batch (`act_elem_bytes` each). Transient per-layer buffers of the
 /// streams (a few layers' worth) are not counted.
 pub(crate) fn host_bytes_needed(
     cfg: &ModelConfig,
@@ -326,6 +326,7 @@ pub(crate) fn host_bytes_needed(
     host_boundaries: usize,
     micro: usize,
     seq: usize,
+    act_elem_bytes: usize,
 ) -> u64 {
     let params = cfg.total_params() as u64;
     let mut state = 0u64;
@@ -337,7 +338,7 @@ pub(crate) fn host_bytes_needed(
             state += state_bytes(optimizer, p.numel());
         }
     }
-    let acts = (host_boundaries * micro * seq * cfg.hidden_size * 4) as u64;
+    let acts = (host_boundaries * micro * seq * cfg.hidden_size * act_elem_bytes) as u64;
     8 * params + state + acts
 }
 
@@ -439,7 +440,12 @@ fn bench(args: &BenchTrainArgs) -> Result<Report, Failure> {
 
     // Host memory first: the masters alone of a large model can exhaust the machine.
     let host_boundaries = chosen.plan.boundaries.iter().filter(|p| **p == Placement::Host).count();
-    let need = host_bytes_needed(&cfg, s.optimizer, host_boundaries, micro, s.seq_len);
+    // Host-tier boundaries are kept in the device dtype: bf16 on CUDA, f32 on the CPU backend.
+    let act_elem_bytes = match args.device {
+        DeviceChoice::Cuda => 2,
+        DeviceChoice::Cpu => 4,
+    };
+    let need = host_bytes_needed(&cfg, s.optimizer, host_boundaries, micro, s.seq_len, act_elem_bytes);
     match mem_available() {
         Some(avail) if need > avail => {
             return Err(Failure::new(
@@ -795,11 +801,12 @@ mod tests {
           "rms_norm_eps":1e-6,"rope_theta":1e6,"tie_word_embeddings":true}"#;
         let cfg = ModelConfig::from_json_str(json).unwrap();
         let p = cfg.total_params() as u64;
-        let eight = host_bytes_needed(&cfg, OptimizerChoice::Adamw8bit, 0, 1, 8);
-        let fp32 = host_bytes_needed(&cfg, OptimizerChoice::Adamw, 0, 1, 8);
+        let eight = host_bytes_needed(&cfg, OptimizerChoice::Adamw8bit, 0, 1, 8, 4);
+        let fp32 = host_bytes_needed(&cfg, OptimizerChoice::Adamw, 0, 1, 8, 4);
         assert_eq!(fp32, 16 * p, "4 master + 4 grad + 8 state");
         assert!(eight < fp32 && eight > 8 * p, "{eight} vs {p} params");
-        assert_eq!(host_bytes_needed(&cfg, OptimizerChoice::Adamw, 2, 1, 8), 16 * p + 2 * 8 * 64 * 4);
+        assert_eq!(host_bytes_needed(&cfg, OptimizerChoice::Adamw, 2, 1, 8, 4), 16 * p + 2 * 8 * 64 * 4);
+        assert_eq!(host_bytes_needed(&cfg, OptimizerChoice::Adamw, 2, 1, 8, 2), 16 * p + 2 * 8 * 64 * 2);
     }
 
     #[test]
