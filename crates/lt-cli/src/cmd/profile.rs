@@ -5,8 +5,9 @@
 //! - **Transfers** (`h2d_gb_per_s`, `d2h_gb_per_s`): on CUDA, uploads of a large fp32 tensor along the
 //!   executor's own path (`lt_model::upload`: threaded conversion to the device dtype, pinned staging,
 //!   copy) and downloads through Burn, best of several, device synchronised before the timer stops;
-//!   uploads of native-dtype data from pageable and from pinned memory are reported beside them. On the CPU executor "transfers" are memory
-//!   copies, so a `memcpy` of the same size stands in (labelled so).
+//!   uploads of native-dtype data from pageable and from pinned memory are reported beside them. On
+//!   the CPU executor "transfers" are memory copies, so a `memcpy` of the same size stands in
+//!   (labelled so).
 //! - **GEMM** (`peak_tflops`): the best of several square matmuls (bf16 on CUDA, f32 on ndarray) is
 //!   the *achievable* dense peak that the cost model scales.
 //! - **Decoder layer** (`efficiency`): forward and per-layer backward of one real decoder layer on the
