@@ -318,8 +318,8 @@ fn state_bytes(kind: OptimizerChoice, n: usize) -> u64 {
 /// Host bytes the trainer allocates for `cfg`: fp32 masters (4 B/param), fp32 gradients (4),
 /// optimizer state (about 2.03 B/param for adamw8bit — 8-bit codes for `m` and `v` plus one f32
 /// absmax each per 256-element block, fp32 state below 4096 elements — and 8 for adamw), plus the
-/// activations the plan keeps in host memory for one micro-batch (`act_elem_bytes` each). Transient per-layer buffers of the
-/// streams (a few layers' worth) are not counted.
+/// activations the plan keeps in host memory for one micro-batch (`act_elem_bytes` each). Transient
+/// per-layer buffers of the streams (a few layers' worth) are not counted.
 pub(crate) fn host_bytes_needed(
     cfg: &ModelConfig,
     optimizer: OptimizerChoice,
