@@ -57,7 +57,13 @@ pub fn host_data(x: &[f32], shape: &[usize], dtype: DType) -> TensorData {
 pub fn upload<B: Backend, const D: usize>(x: &[f32], shape: &[usize], device: &B::Device) -> Tensor<B, D> {
     assert_eq!(shape.len(), D, "rank mismatch binding a host tensor");
     assert_eq!(shape.iter().product::<usize>(), x.len(), "shape does not match the host data");
-    let mut data = host_data(x, shape, <B::FloatElem as Element>::dtype());
+    upload_data(host_data(x, shape, <B::FloatElem as Element>::dtype()), device)
+}
+
+/// Uploads host data that is already in its device dtype (an offloaded activation coming back, for
+/// instance): [`Backend::staging`] unless disabled (see [`pinned_uploads`]), then
+/// `Tensor::from_data`.
+pub fn upload_data<B: Backend, const D: usize>(mut data: TensorData, device: &B::Device) -> Tensor<B, D> {
     if pinned_uploads() {
         B::staging(std::iter::once(&mut data), device);
     }
