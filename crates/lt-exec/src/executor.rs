@@ -135,6 +135,14 @@ fn elem_bytes<B: Backend>() -> u64 {
     std::mem::size_of::<<B as burn::tensor::backend::BackendTypes>::FloatElem>() as u64
 }
 
+/// Spill-file bytes for one micro-batch `[b, t]` under `plan`: every NVMe boundary in the device
+/// dtype ([`elem_bytes`]), each rounded up to whole 4 MiB requests; 0 when nothing goes to NVMe.
+pub fn spill_capacity<B: Backend>(plan: &ExecPlan, cfg: &ModelConfig, b: usize, t: usize) -> u64 {
+    let nvme = plan.boundaries.iter().filter(|p| **p == Placement::Nvme).count() as u64;
+    let act = (b * t * cfg.hidden_size) as u64 * elem_bytes::<B>();
+    nvme * act.div_ceil(4 << 20).max(1) * (4 << 20)
+}
+
 /// Estimated extra device bytes one layer's forward+backward needs beyond its input and output
 /// (autodiff intermediates and the attention scores) with `elem`-byte floats. Kept deliberately
 /// simple and conservative.
@@ -487,7 +495,7 @@ fn fetch_act<B: Backend>(
     shape: [usize; 3],
     device: &B::Device,
 ) -> Result<Tensor<B, 3>, ExecError> {
-    let mut data = match acts.take(s) {
+    let data = match acts.take(s) {
         Held::Host(data) => data,
         Held::Nvme(dtype) => {
             let sp = spill.ok_or(ExecError::NoSpillStore { boundary: s })?;
@@ -505,12 +513,7 @@ fn fetch_act<B: Backend>(
             }));
         }
     };
-    Ok(trace.span(Stream::H2d, step, format!("reload B{s}"), || {
-        if lt_model::upload::pinned_uploads() {
-            B::staging(std::iter::once(&mut data), device);
-        }
-        Tensor::from_data(data, device)
-    }))
+    Ok(trace.span(Stream::H2d, step, format!("reload B{s}"), || lt_model::upload::upload_data(data, device)))
 }
 
 /// Chunked head and loss with backward: returns the loss share, d loss / d x_L, and the gradients of

@@ -577,9 +577,10 @@ fn bench_on<B: AutodiffBackend>(
 ) -> Result<Report, Failure> {
     let err = |e: anyhow::Error| Failure::from_error(&e);
     let micro = chosen.micro_batch_size.clamp(1, s.batch_size);
-    let nvme = chosen.plan.boundaries.iter().filter(|p| **p == Placement::Nvme).count() as u64;
+    // Room for every spilled boundary of one micro-batch (as lt train).
+    let capacity = lt_exec::executor::spill_capacity::<B::InnerBackend>(&chosen.plan, cfg, micro, s.seq_len);
     let mut _cleanup = TempDir(None);
-    let spill = if nvme > 0 {
+    let spill = if capacity > 0 {
         let dir = match &args.spill_dir {
             Some(d) => d.clone(),
             None => {
@@ -588,11 +589,7 @@ fn bench_on<B: AutodiffBackend>(
                 d
             }
         };
-        // Room for every spilled boundary of one micro-batch, in whole 4 MiB requests (as lt train).
-        // Offloaded boundaries are stored in the device dtype (bf16 on CUDA).
-        let elem = std::mem::size_of::<<B::InnerBackend as burn::tensor::backend::BackendTypes>::FloatElem>() as u64;
-        let act = (micro * s.seq_len * cfg.hidden_size) as u64 * elem;
-        Some(crate::spill::open(&dir, nvme * act.div_ceil(4 << 20).max(1) * (4 << 20)).map_err(err)?)
+        Some(crate::spill::open(&dir, capacity).map_err(err)?)
     } else {
         None
     };

@@ -734,17 +734,9 @@ where
     let chosen = choose_plan(s, &cfg)?;
     eprintln!("{}", chosen.summary);
     let micro = chosen.micro_batch_size.clamp(1, s.batch_size);
-    let nvme_boundaries = chosen.plan.boundaries.iter().filter(|p| **p == Placement::Nvme).count() as u64;
-    let spill = if nvme_boundaries > 0 {
-        // Room for every spilled boundary of one micro-batch, rounded up to whole 4 MiB requests.
-        // Offloaded boundaries are stored in the device dtype (bf16 on CUDA).
-        let elem = std::mem::size_of::<<B::InnerBackend as burn::tensor::backend::BackendTypes>::FloatElem>() as u64;
-        let act = (micro * s.seq_len * cfg.hidden_size) as u64 * elem;
-        let capacity = nvme_boundaries * act.div_ceil(4 << 20).max(1) * (4 << 20);
-        Some(crate::spill::open(&s.spill_dir, capacity)?)
-    } else {
-        None
-    };
+    // Room for every spilled boundary of one micro-batch.
+    let capacity = lt_exec::executor::spill_capacity::<B::InnerBackend>(&chosen.plan, &cfg, micro, s.seq_len);
+    let spill = if capacity > 0 { Some(crate::spill::open(&s.spill_dir, capacity)?) } else { None };
     let executor = Executor::<B>::new(chosen.plan.clone(), chosen.budget, device, spill);
     let need = executor.required_device_bytes(&cfg, micro, s.seq_len);
     if need > chosen.budget.0 {
