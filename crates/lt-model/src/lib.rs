@@ -14,6 +14,7 @@
 //! assert_eq!(logits.dims(), [1, 3, host.config.vocab_size]);
 //! ```
 
+pub mod device;
 pub mod error;
 pub mod generate;
 pub mod host;
@@ -43,3 +44,11 @@ pub type CudaF32Backend = burn_cuda::Cuda<f32, i32>;
 /// The f32 CUDA backend with autodiff.
 #[cfg(feature = "cuda")]
 pub type CudaF32Autodiff = burn::backend::Autodiff<CudaF32Backend>;
+
+/// The wgpu backend (Vulkan, Metal, DX12; lavapipe in CI), in f32: WGSL has no bf16, so weights are
+/// uploaded and computed in f32 (4 bytes per element on the device, which the budget counts).
+#[cfg(feature = "wgpu")]
+pub type WgpuBackend = burn_wgpu::Wgpu<f32, i32>;
+/// The wgpu backend with autodiff.
+#[cfg(feature = "wgpu")]
+pub type WgpuAutodiff = burn::backend::Autodiff<WgpuBackend>;

@@ -168,22 +168,73 @@ impl<B: Backend> LayerWeights<B> {
         }
     }
 
-    /// Bind a host layer's fp32 buffers to device tensors (the executor's upload step on CPU).
+    /// Bind a host layer's fp32 buffers to device tensors: [`PreparedLayer::new`] then
+    /// [`PreparedLayer::bind`] on the calling thread.
     ///
     /// # Panics
     /// If `host` lacks a tensor its kind requires. `HostLayer`s built by [`HostModel::load`] are
     /// validated against the config, so this is a programmer error.
     pub fn from_host(host: &HostLayer, kind: LayerKind, device: &B::Device) -> Self {
-        let mut src = HostLayerSource { layer: host, device };
-        let common = CommonWeights::load(&mut src);
+        PreparedLayer::new::<B>(host, kind).bind(device)
+    }
+
+    fn load_from<S: ParamSource<B>>(src: &mut S, kind: LayerKind) -> Self {
+        let common = CommonWeights::load(src);
         let mixer = match kind {
-            LayerKind::FullAttention => AttnWeights::load(&mut src).map(Mixer::Attention),
-            LayerKind::LinearAttention => LinearAttnWeights::load(&mut src).map(Mixer::Linear),
+            LayerKind::FullAttention => AttnWeights::load(src).map(Mixer::Attention),
+            LayerKind::LinearAttention => LinearAttnWeights::load(src).map(Mixer::Linear),
         };
         match (common, mixer) {
             (Ok(common), Ok(mixer)) => Self { common, mixer },
             (Err(name), _) | (_, Err(name)) => panic!("host layer lacks `{name}` (not validated?)"),
         }
+    }
+}
+
+/// The host half of a layer upload: every tensor of a [`HostLayer`] converted to a backend's float
+/// dtype ([`crate::upload::host_data`]), not yet on any device. Binding it ([`PreparedLayer::bind`])
+/// is the device half. The executor prepares on its h2d thread and binds there or, where the
+/// runtime wants every device call on one thread, on the compute thread
+/// ([`crate::device::StreamMode`]).
+#[derive(Debug)]
+pub struct PreparedLayer {
+    kind: LayerKind,
+    tensors: Vec<(String, burn::tensor::TensorData)>,
+}
+
+impl PreparedLayer {
+    /// Convert `host`'s tensors to `B`'s float dtype.
+    pub fn new<B: Backend>(host: &HostLayer, kind: LayerKind) -> Self {
+        let dtype = <B::FloatElem as burn::tensor::Element>::dtype();
+        let tensors = host
+            .specs
+            .iter()
+            .zip(&host.tensors)
+            .map(|(s, t)| (s.name.clone(), crate::upload::host_data(&t.data, &t.shape, dtype)))
+            .collect();
+        Self { kind, tensors }
+    }
+
+    /// Upload every tensor to `device` and bind them into the layer's weights.
+    ///
+    /// # Panics
+    /// As [`LayerWeights::from_host`].
+    pub fn bind<B: Backend>(self, device: &B::Device) -> LayerWeights<B> {
+        let kind = self.kind;
+        LayerWeights::load_from(&mut PreparedSource { tensors: self.tensors, device }, kind)
+    }
+}
+
+struct PreparedSource<'a, B: Backend> {
+    tensors: Vec<(String, burn::tensor::TensorData)>,
+    device: &'a B::Device,
+}
+
+impl<B: Backend> ParamSource<B> for PreparedSource<'_, B> {
+    fn get<const D: usize>(&mut self, name: &'static str) -> Option<Tensor<B, D>> {
+        let i = self.tensors.iter().position(|(n, d)| n == name && d.shape.num_dims() == D)?;
+        let (_, data) = self.tensors.swap_remove(i);
+        Some(crate::upload::upload_data(data, self.device))
     }
 }
 
@@ -252,15 +303,4 @@ impl<B: Backend> DeviceModel<B> {
 /// If `D` differs from the host tensor's rank (a programmer error).
 pub fn host_tensor<B: Backend, const D: usize>(t: &HostTensor, device: &B::Device) -> Tensor<B, D> {
     crate::upload::upload(&t.data, &t.shape, device)
-}
-
-struct HostLayerSource<'a, B: Backend> {
-    layer: &'a HostLayer,
-    device: &'a B::Device,
-}
-
-impl<B: Backend> ParamSource<B> for HostLayerSource<'_, B> {
-    fn get<const D: usize>(&mut self, name: &'static str) -> Option<Tensor<B, D>> {
-        self.layer.get(name).filter(|t| t.shape.len() == D).map(|t| host_tensor(t, self.device))
-    }
 }

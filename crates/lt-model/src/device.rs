@@ -1,0 +1,219 @@
+//! What the executor needs to know about a device runtime beyond Burn's `Backend` trait: which
+//! kind of runtime it is, how its streams map onto threads, and how much memory it has reserved.
+//!
+//! **Streams are threads.** cubecl (the runtime under burn-wgpu and burn-cuda) gives every thread
+//! its own stream (`cubecl-common` `stream_id.rs`: a thread-local id taken from a global counter the
+//! first time a thread touches the device), and each stream has its own memory pools. A thread
+//! started per micro-batch is therefore a new stream, with new pools, every micro-batch: the
+//! executor keeps one long-lived thread per stream instead.
+//!
+//! **Cross-stream safety differs by runtime** ([`StreamMode`]). On burn-cuda, a tensor made on one
+//! stream and used on another is ordered with CUDA events, and its memory is kept out of reuse until
+//! the consuming stream's event completes (cubecl-runtime `stream/event.rs`, `MultiStream::resolve`
+//! and its garbage-collection thread), so the upload stream can really run beside compute. cubecl's
+//! wgpu server has no such guard: it drops a kernel's bindings as soon as the kernel is queued on its
+//! stream (`cubecl-wgpu` `compute/server.rs`, `launch` -> `prepare_bindings` keeps only the buffer and
+//! offset), registers a write on the writing stream without aligning any other stream
+//! (`server.rs`, `write`: `self.scheduler.register(stream_id, task, &[])`), and a write goes to the
+//! queue (`queue.write_buffer`), which wgpu applies before every command buffer of the next submit
+//! (`compute/stream.rs`, `enqueue_task` flushes only the writing stream's encoder). So when a tensor
+//! uploaded on the h2d stream is dropped by compute while compute's kernel that reads it is still
+//! unsubmitted, the next upload can reuse that memory and overwrite it before the kernel runs. wgpu
+//! has one queue, so separate streams buy no concurrency there anyway: on wgpu every device call of
+//! the executor's threads is issued on the compute thread's stream.
+
+use std::any::Any;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::OnceLock;
+use std::task::{Context, Poll, Waker};
+
+use burn::tensor::backend::{Backend, ExecutionError};
+use burn::tensor::{StreamId, Tensor, TensorData};
+
+/// The kind of device runtime behind a Burn device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceKind {
+    /// A CPU backend (ndarray): no streams, no device memory pools.
+    Cpu,
+    /// burn-wgpu (Vulkan, Metal, DX12; lavapipe on a machine without a GPU).
+    Wgpu,
+    /// burn-cuda.
+    Cuda,
+}
+
+/// How the executor's h2d and d2h threads issue their device calls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamMode {
+    /// On the compute thread's stream (wgpu: one queue, and no cross-stream memory guard).
+    Shared,
+    /// Each thread on its own stream, ordered by the runtime's events (CUDA: copies overlap compute).
+    Separate,
+}
+
+/// Which runtime `device` belongs to.
+pub fn kind<D: Any>(device: &D) -> DeviceKind {
+    let any = device as &dyn Any;
+    #[cfg(feature = "wgpu")]
+    if any.is::<burn_wgpu::WgpuDevice>() {
+        return DeviceKind::Wgpu;
+    }
+    #[cfg(feature = "cuda")]
+    if any.is::<burn_cuda::CudaDevice>() {
+        return DeviceKind::Cuda;
+    }
+    let _ = any;
+    DeviceKind::Cpu
+}
+
+/// The stream mode for `device`: [`StreamMode::Shared`] on wgpu, [`StreamMode::Separate`] elsewhere.
+/// `LT_DEVICE_STREAMS=shared` or `separate` overrides it (read once per process), to compare the two.
+pub fn stream_mode<D: Any>(device: &D) -> StreamMode {
+    static OVERRIDE: OnceLock<Option<StreamMode>> = OnceLock::new();
+    let forced = *OVERRIDE.get_or_init(|| match std::env::var("LT_DEVICE_STREAMS").ok().as_deref().map(str::trim) {
+        Some("shared") => Some(StreamMode::Shared),
+        Some("separate") => Some(StreamMode::Separate),
+        _ => None,
+    });
+    forced.unwrap_or(match kind(device) {
+        DeviceKind::Wgpu => StreamMode::Shared,
+        DeviceKind::Cpu | DeviceKind::Cuda => StreamMode::Separate,
+    })
+}
+
+/// The device-runtime stream of the calling thread (cubecl's thread-local stream id).
+pub fn current_stream() -> u64 {
+    StreamId::current().value
+}
+
+/// Run `f` with the calling thread's device calls issued on stream `stream` (see [`current_stream`]).
+pub fn on_stream<T>(stream: u64, f: impl FnOnce() -> T) -> T {
+    StreamId { value: stream }.executes(f)
+}
+
+/// A device-to-host read issued on one thread and completed on another.
+///
+/// [`start_read`] issues the read on the calling thread's stream, in order with that thread's other
+/// device calls (on wgpu: the compute thread's kernels), and returns at once; [`PendingRead::wait`]
+/// blocks until the bytes are on the host, on whatever thread calls it. So with
+/// [`StreamMode::Shared`] the d2h thread waits and converts while compute keeps queueing work,
+/// without itself issuing any device call.
+pub struct PendingRead(Pin<Box<dyn Future<Output = Result<TensorData, ExecutionError>> + Send>>);
+
+impl std::fmt::Debug for PendingRead {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PendingRead")
+    }
+}
+
+/// Issue the read of `t` now, on the calling thread (see [`PendingRead`]).
+///
+/// Burn's read is an `async fn` chain whose first poll drains the tensor's pending operations and
+/// enqueues the copy (burn-fusion `read_tensor_float` runs eagerly inside it), then waits for the
+/// copy: polling it once here with a no-op waker issues everything; whoever waits polls again with a
+/// real waker.
+pub fn start_read<B: Backend, const D: usize>(t: Tensor<B, D>) -> PendingRead {
+    let mut fut: Pin<Box<dyn Future<Output = Result<TensorData, ExecutionError>> + Send>> =
+        Box::pin(t.into_data_async());
+    let mut cx = Context::from_waker(Waker::noop());
+    match fut.as_mut().poll(&mut cx) {
+        Poll::Ready(r) => PendingRead(Box::pin(std::future::ready(r))),
+        Poll::Pending => PendingRead(fut),
+    }
+}
+
+impl PendingRead {
+    /// Block until the data is on the host.
+    pub fn wait(self) -> Result<TensorData, String> {
+        match burn::tensor::try_read_sync(self.0) {
+            Some(Ok(d)) => Ok(d),
+            Some(Err(e)) => Err(format!("{e:?}").lines().next().unwrap_or_default().to_string()),
+            None => Err("this platform cannot wait for a device read".into()),
+        }
+    }
+}
+
+/// Device memory the runtime has reserved for the calling thread's stream (bytes of its memory
+/// pools, used or free), or `None` on a CPU backend.
+pub fn reserved_bytes<D: Any>(device: &D) -> Option<u64> {
+    let any = device as &dyn Any;
+    #[cfg(feature = "wgpu")]
+    if let Some(d) = any.downcast_ref::<burn_wgpu::WgpuDevice>() {
+        use cubecl::Runtime as _;
+        return cubecl::wgpu::WgpuRuntime::client(d).memory_usage().ok().map(|u| u.bytes_reserved);
+    }
+    #[cfg(feature = "cuda")]
+    if let Some(d) = any.downcast_ref::<burn_cuda::CudaDevice>() {
+        use cubecl::Runtime as _;
+        return cubecl::cuda::CudaRuntime::client(d).memory_usage().ok().map(|u| u.bytes_reserved);
+    }
+    let _ = any;
+    None
+}
+
+/// The default wgpu device, with its runtime initialised: `Err` with one line that says how to get
+/// an adapter when there is none (cubecl panics deep inside its setup otherwise).
+#[cfg(feature = "wgpu")]
+pub fn wgpu_device() -> Result<burn_wgpu::WgpuDevice, String> {
+    static INIT: OnceLock<Result<(), String>> = OnceLock::new();
+    let init = INIT.get_or_init(|| {
+        // The runtime's setup panics without an adapter; keep its multi-line panic report off stderr.
+        let hook = std::panic::take_hook();
+        std::panic::set_hook(Box::new(|_| {}));
+        let r = std::panic::catch_unwind(|| {
+            use cubecl::Runtime as _;
+            drop(cubecl::wgpu::WgpuRuntime::client(&burn_wgpu::WgpuDevice::default()));
+        });
+        std::panic::set_hook(hook);
+        r.map(|_| ()).map_err(|p| {
+            let why = p
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| p.downcast_ref::<&str>().copied())
+                .unwrap_or("the runtime panicked")
+                .lines()
+                .next()
+                .unwrap_or_default()
+                .to_string();
+            format!(
+                "no wgpu adapter ({why}): install a Vulkan driver, e.g. `apt-get install -y mesa-vulkan-drivers \
+                 libvulkan1` (lavapipe, which runs on the CPU)"
+            )
+        })
+    });
+    init.clone().map(|()| burn_wgpu::WgpuDevice::default())
+}
+
+/// Device memory reserved by every stream of the wgpu runtime (cubecl keeps at most
+/// `max_streams` = 128 of them, indexed by stream id modulo 128), so memory held by streams that
+/// no live thread uses any more is counted too. On lavapipe this is host memory.
+#[cfg(feature = "wgpu")]
+pub fn wgpu_total_reserved_bytes(device: &burn_wgpu::WgpuDevice) -> u64 {
+    use cubecl::Runtime as _;
+    let client = cubecl::wgpu::WgpuRuntime::client(device);
+    (0..128u64).map(|v| on_stream(v, || client.memory_usage().map(|u| u.bytes_reserved).unwrap_or(0))).sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ndarray_is_a_cpu_device_without_reserved_memory() {
+        let d = burn::backend::ndarray::NdArrayDevice::default();
+        assert_eq!(kind(&d), DeviceKind::Cpu);
+        assert_eq!(reserved_bytes(&d), None);
+    }
+
+    /// A thread keeps its stream id; a new thread gets a new one; `on_stream` switches and restores.
+    #[test]
+    fn streams_follow_threads() {
+        let here = current_stream();
+        assert_eq!(current_stream(), here);
+        let there = std::thread::spawn(current_stream).join().unwrap();
+        assert_ne!(there, here);
+        let inside = std::thread::spawn(move || on_stream(here, current_stream)).join().unwrap();
+        assert_eq!(inside, here);
+        assert_eq!(current_stream(), here);
+    }
+}
