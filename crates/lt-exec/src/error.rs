@@ -49,6 +49,14 @@ pub enum ExecError {
         /// What differs.
         reason: String,
     },
+    /// Reading a tensor back from the device failed (the runtime reported an error).
+    #[error("reading {what} from the device failed: {reason}")]
+    DeviceRead {
+        /// What was being read.
+        what: String,
+        /// The runtime's error.
+        reason: String,
+    },
     /// A worker thread died (a bug).
     #[error("executor worker `{0}` stopped unexpectedly")]
     Worker(&'static str),

@@ -1,16 +1,23 @@
 //! The streamed executor: forward and backward of one micro-batch, layer by layer, exactly as the
 //! plan says, with uploads and downloads on their own threads and every operation traced.
 //!
-//! Streams (threads here; CUDA streams on GPU):
-//! - **h2d** walks the upload schedule (forward layers, then per backward segment: the segment's
-//!   start boundary if it lives off-device, the recompute layers, the backward layers) and hands
-//!   each item over a channel of capacity 1: one buffer in use, one in flight (double buffering).
+//! Streams (threads here; device streams on a GPU):
+//! - **h2d** walks the plan's upload schedule ([`ExecPlan::uploads`]: the embedded tokens, gathered
+//!   from the host embedding; the forward layers; the head once per step, during the last forward
+//!   layer; then per backward segment the segment's start boundary if it lives off-device, the
+//!   recompute layers and the backward layers) and hands each item over a channel of capacity 1: one
+//!   buffer in use, one in flight (double buffering).
 //! - **d2h** receives activation offloads (host tier or NVMe) and weight gradients, converts them to
 //!   fp32 host buffers and accumulates them, computing the sum of squares in the same pass.
 //! - **compute** (the calling thread) runs layers; every time it blocks on another stream, the wait is
 //!   recorded as that stream's measured exposure.
+//!
+//! The h2d and d2h threads are started once, with the executor's first micro-batch, and live as long
+//! as it does: on a device runtime every thread is a stream with its own memory pools. How their
+//! device calls map onto the runtime's streams is [`lt_model::device::StreamMode`]'s business (one
+//! stream on wgpu, where cubecl has no cross-stream memory guard; their own on CUDA).
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::marker::PhantomData;
 use std::sync::{Arc, Condvar, Mutex};
 
@@ -19,16 +26,19 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, Int, Tensor, TensorData};
 use crossbeam::channel;
 use lt_core::{ByteSize, ModelConfig};
+use lt_model::device::StreamMode;
 use lt_model::layer::{SeqCtx, layer_backward, layer_forward};
-use lt_model::model::{Batch, embed, shifted_targets, to_vec};
+use lt_model::model::{Batch, shifted_targets, to_vec};
 use lt_model::ops;
-use lt_model::weights::{HeadWeights, LayerWeights};
-use lt_optim::ThreadPool;
+use lt_model::upload::host_data;
+use lt_model::weights::{LayerWeights, PreparedLayer};
+use lt_optim::grad::sum_squares;
+use lt_optim::{Grad, ThreadPool};
 
 use crate::budget::DeviceBudget;
 use crate::error::ExecError;
 use crate::grads::{HostGrads, accumulate_data};
-use crate::plan::{ExecPlan, Placement};
+use crate::plan::{ExecPlan, Placement, Upload};
 use crate::state::{HEAD, SharedModel, layer_slot};
 use crate::trace::{Stream, Trace};
 
@@ -82,21 +92,95 @@ impl ActStore {
     }
 }
 
-enum Up {
-    Layer(usize),
-    Act(usize),
-}
-
+/// What compute receives from the h2d stream, in [`ExecPlan::uploads`] order.
 enum Uploaded<B: Backend> {
+    Embed(Tensor<B, 3>),
     Layer(usize, LayerWeights<B>),
+    Head(DeviceHead<B>),
     Act(usize, Tensor<B, 3>),
 }
 
-enum Down<B: Backend> {
-    Offload(usize, Tensor<B, 3>),
-    Layer(usize, Vec<(String, Tensor<B, 1>)>),
-    Head { norm: Tensor<B, 1>, out: Tensor<B, 2> },
-    Embed(Tensor<B, 3>),
+/// The host half of an upload: data already in the device dtype, not yet on the device.
+enum Prepared {
+    Embed(TensorData),
+    Layer(usize, PreparedLayer),
+    Head { norm: TensorData, out: TensorData },
+    Act(usize, TensorData),
+}
+
+impl Prepared {
+    /// The device half: create the tensors on `device`, on the calling thread's stream.
+    fn bind<B: Backend>(self, device: &B::Device) -> Uploaded<B> {
+        match self {
+            Prepared::Embed(d) => Uploaded::Embed(lt_model::upload::upload_data(d, device)),
+            Prepared::Layer(i, l) => Uploaded::Layer(i, l.bind(device)),
+            Prepared::Head { norm, out } => Uploaded::Head(DeviceHead {
+                norm: lt_model::upload::upload_data(norm, device),
+                out: lt_model::upload::upload_data(out, device),
+            }),
+            Prepared::Act(s, d) => Uploaded::Act(s, lt_model::upload::upload_data(d, device)),
+        }
+    }
+
+    fn what(&self) -> String {
+        match self {
+            Prepared::Embed(_) => "embed".into(),
+            Prepared::Layer(i, _) => format!("L{i}"),
+            Prepared::Head { .. } => "head".into(),
+            Prepared::Act(s, _) => format!("B{s}"),
+        }
+    }
+}
+
+/// An h2d item as it crosses to compute: bound by the h2d thread on its own stream
+/// ([`StreamMode::Separate`]), or host data that compute binds ([`StreamMode::Shared`]).
+enum Handoff<B: Backend> {
+    Device(Uploaded<B>),
+    Host(Prepared),
+}
+
+/// A device-to-host copy as it crosses to the d2h stream: already issued by compute
+/// ([`StreamMode::Shared`]), or a tensor the d2h thread reads on its own stream.
+enum Fetch {
+    Issued(lt_model::device::PendingRead),
+    Deferred(Box<dyn FnOnce() -> Result<TensorData, String> + Send>),
+}
+
+impl Fetch {
+    fn new<B: Backend, const D: usize>(t: Tensor<B, D>, mode: StreamMode) -> Self {
+        match mode {
+            StreamMode::Shared => Fetch::Issued(lt_model::device::start_read(t)),
+            StreamMode::Separate => Fetch::Deferred(Box::new(move || t.try_into_data().map_err(|e| format!("{e:?}")))),
+        }
+    }
+
+    fn wait(self, what: &str) -> Result<TensorData, ExecError> {
+        match self {
+            Fetch::Issued(p) => p.wait(),
+            Fetch::Deferred(f) => f(),
+        }
+        .map_err(|reason| ExecError::DeviceRead { what: what.to_string(), reason })
+    }
+}
+
+enum Down {
+    Offload(usize, Fetch),
+    Layer(usize, Vec<Fetch>),
+    Head { norm: Fetch, out: Fetch },
+    Embed(Fetch),
+}
+
+/// The head on the device: final norm and output projection (`lm_head`, or the embedding matrix
+/// when tied). Uploaded once per step and kept for all its micro-batches.
+struct DeviceHead<B: Backend> {
+    norm: Tensor<B, 1>,
+    out: Tensor<B, 2>,
+}
+
+impl<B: Backend> Clone for DeviceHead<B> {
+    fn clone(&self) -> Self {
+        Self { norm: self.norm.clone(), out: self.out.clone() }
+    }
 }
 
 /// What one micro-batch produced.
@@ -110,6 +194,108 @@ pub struct MicroBatchResult {
     pub peak_device_bytes: u64,
 }
 
+type Job = Box<dyn FnOnce() + Send + 'static>;
+
+/// One long-lived thread that runs jobs in order: a stream of the executor. It lives as long as the
+/// executor, because on a device runtime a thread is a stream with its own memory pools (see
+/// `lt_model::device`): a thread per micro-batch would be a new stream per micro-batch.
+struct Worker {
+    tx: Option<channel::Sender<Job>>,
+    handle: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Worker {
+    fn spawn(name: &'static str) -> Result<Self, ExecError> {
+        let (tx, rx) = channel::unbounded::<Job>();
+        let handle = std::thread::Builder::new()
+            .name(name.into())
+            .spawn(move || {
+                for job in rx {
+                    job();
+                }
+            })
+            .map_err(|_| ExecError::Worker(name))?;
+        Ok(Self { tx: Some(tx), handle: Some(handle) })
+    }
+
+    /// Run `f` on this thread; its result (or its panic) arrives on the returned channel.
+    fn run<T: Send + 'static>(
+        &self,
+        f: impl FnOnce() -> T + Send + 'static,
+    ) -> channel::Receiver<std::thread::Result<T>> {
+        let (tx, rx) = channel::bounded(1);
+        let job: Job = Box::new(move || {
+            let _ = tx.send(std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)));
+        });
+        if let Some(s) = &self.tx {
+            // A send fails only if the thread is gone; the dropped result sender then reports it.
+            let _ = s.send(job);
+        }
+        rx
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        self.tx.take();
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+/// The executor's h2d and d2h streams, created with its first micro-batch and kept until it drops.
+struct Streams {
+    h2d: Worker,
+    d2h: Worker,
+    mode: StreamMode,
+    /// Device-runtime streams the executor's device calls have been issued on.
+    used: Arc<Mutex<BTreeSet<u64>>>,
+}
+
+impl Streams {
+    fn new(mode: StreamMode) -> Result<Self, ExecError> {
+        Ok(Self {
+            h2d: Worker::spawn("lt-h2d")?,
+            d2h: Worker::spawn("lt-d2h")?,
+            mode,
+            used: Arc::new(Mutex::new(BTreeSet::new())),
+        })
+    }
+
+    /// Run `f` on `worker` with its device calls on the right stream: the caller's (compute's) in
+    /// [`StreamMode::Shared`], the worker's own in [`StreamMode::Separate`]. The stream used is recorded.
+    fn run<T: Send + 'static>(
+        &self,
+        worker: &Worker,
+        f: impl FnOnce() -> T + Send + 'static,
+    ) -> channel::Receiver<std::thread::Result<T>> {
+        let compute = lt_model::device::current_stream();
+        let mode = self.mode;
+        let used = Arc::clone(&self.used);
+        worker.run(move || {
+            let go = move || {
+                if let Ok(mut u) = used.lock() {
+                    u.insert(lt_model::device::current_stream());
+                }
+                f()
+            };
+            match mode {
+                StreamMode::Shared => lt_model::device::on_stream(compute, go),
+                StreamMode::Separate => go(),
+            }
+        })
+    }
+}
+
+/// Wait for a worker's result; a panic or a vanished worker becomes [`ExecError::Worker`].
+fn joined<T>(rx: channel::Receiver<std::thread::Result<T>>, who: &'static str) -> Result<T, ExecError> {
+    match rx.recv() {
+        Ok(Ok(v)) => Ok(v),
+        _ => Err(ExecError::Worker(who)),
+    }
+}
+
 /// The streamed executor for one model and plan.
 pub struct Executor<B: AutodiffBackend> {
     plan: ExecPlan,
@@ -120,6 +306,9 @@ pub struct Executor<B: AutodiffBackend> {
     /// Threads that help the d2h stream widen and accumulate downloaded gradients.
     d2h_pool: Arc<ThreadPool>,
     step: u64,
+    streams: Option<Streams>,
+    /// The step's head: (model, version) it was uploaded from, and the tensors.
+    head: Option<(usize, u64, DeviceHead<Inner<B>>)>,
     _b: PhantomData<B>,
 }
 
@@ -129,8 +318,8 @@ fn d2h_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |c| c.get() / 4).clamp(1, 4)
 }
 
-/// Bytes per float element on the device: the backend's float dtype (f32 on ndarray, bf16 on CUDA),
-/// as the planner's `compute_dtype_bytes`.
+/// Bytes per float element on the device: the backend's float dtype (f32 on ndarray and wgpu, bf16
+/// on CUDA), as the planner's `compute_dtype_bytes`.
 fn elem_bytes<B: Backend>() -> u64 {
     std::mem::size_of::<<B as burn::tensor::backend::BackendTypes>::FloatElem>() as u64
 }
@@ -164,7 +353,8 @@ pub fn head_chunk_bytes(cfg: &ModelConfig, chunk_tokens: usize) -> u64 {
 }
 
 impl<B: AutodiffBackend> Executor<B> {
-    /// An executor that runs `plan` within `device_memory` on `device`.
+    /// An executor that runs `plan` within `device_memory` on `device`. Its h2d and d2h threads start
+    /// with the first micro-batch and live until the executor is dropped.
     pub fn new(
         plan: ExecPlan,
         device_memory: ByteSize,
@@ -172,7 +362,18 @@ impl<B: AutodiffBackend> Executor<B> {
         spill: Option<Arc<dyn ActivationSpill>>,
     ) -> Self {
         let d2h_pool = Arc::new(ThreadPool::new_or_calling_thread(d2h_threads()));
-        Self { plan, device, device_memory, trace: Arc::new(Trace::new()), spill, d2h_pool, step: 0, _b: PhantomData }
+        Self {
+            plan,
+            device,
+            device_memory,
+            trace: Arc::new(Trace::new()),
+            spill,
+            d2h_pool,
+            step: 0,
+            streams: None,
+            head: None,
+            _b: PhantomData,
+        }
     }
 
     /// The plan being executed.
@@ -190,6 +391,34 @@ impl<B: AutodiffBackend> Executor<B> {
         self.step = step;
     }
 
+    /// The device-runtime streams (cubecl stream ids) the executor's device calls have used so far:
+    /// the calling (compute) thread's, plus the h2d and d2h threads' own in
+    /// [`StreamMode::Separate`]. A long run must not add any after its first micro-batch.
+    pub fn streams_used(&self) -> Vec<u64> {
+        self.streams
+            .as_ref()
+            .map_or_else(Vec::new, |s| s.used.lock().map(|u| u.iter().copied().collect()).unwrap_or_default())
+    }
+
+    /// Device memory the runtime has reserved over every stream the executor uses (the memory pools'
+    /// size, in use or free), or `None` on a CPU backend. Call from the compute thread between steps.
+    pub fn device_reserved_bytes(&self) -> Option<u64> {
+        let mut per_stream = std::collections::BTreeMap::new();
+        let here = lt_model::device::current_stream();
+        per_stream.insert(here, lt_model::device::reserved_bytes(&self.device)?);
+        if let Some(s) = &self.streams {
+            for w in [&s.h2d, &s.d2h] {
+                let device = self.device.clone();
+                let r =
+                    s.run(w, move || (lt_model::device::current_stream(), lt_model::device::reserved_bytes(&device)));
+                if let Ok(Ok((id, Some(bytes)))) = r.recv() {
+                    per_stream.insert(id, bytes);
+                }
+            }
+        }
+        Some(per_stream.values().sum())
+    }
+
     /// Peak device bytes one micro-batch of shape `[b, t]` needs under this plan (the budget check
     /// run before training; the same accounting the step enforces).
     pub fn required_device_bytes(&self, cfg: &ModelConfig, b: usize, t: usize) -> u64 {
@@ -203,9 +432,10 @@ impl<B: AutodiffBackend> Executor<B> {
     fn account(&self, budget: &mut DeviceBudget, cfg: &ModelConfig, b: usize, t: usize) -> Result<(), ExecError> {
         let we = elem_bytes::<Inner<B>>();
         let act = (b * t * cfg.hidden_size) as u64 * we;
-        let head = cfg.outer_params().iter().map(|p| p.numel() as u64).sum::<u64>() * we;
+        // Final norm and output projection; the embedding is gathered on the host.
+        let head = (cfg.vocab_size + 1) as u64 * cfg.hidden_size as u64 * we;
         let layer_max = (0..cfg.num_layers()).map(|i| cfg.layer_numel(i) as u64).max().unwrap_or(0) * we;
-        budget.alloc(head, || "embedding, final norm and head weights".into())?;
+        budget.alloc(head, || "final norm and head weights".into())?;
         budget.alloc(2 * layer_max, || "two layer weight buffers (double buffering)".into())?;
         budget.alloc(layer_working_bytes(cfg, b, t, we), || "one layer's working set".into())?;
         budget.alloc(act, || "boundary 0".into())?;
@@ -233,7 +463,9 @@ impl<B: AutodiffBackend> Executor<B> {
     /// Forward and backward of one micro-batch, adding its gradients into `grads`.
     ///
     /// Every weight is uploaded only once its version in `model` reaches `want_version` (the
-    /// optimizer may still be updating later layers of the previous step).
+    /// optimizer may still be updating later layers of the previous step). The head is uploaded with
+    /// the step's first micro-batch and kept for the next one of the same model and version, until the
+    /// head op of the step's last micro-batch (`last`) is done.
     ///
     /// `denom` is the number of loss tokens in the whole step, so that accumulating micro-batches
     /// gives exactly the full-batch mean loss and gradient. When `last` is set, the returned
@@ -241,11 +473,11 @@ impl<B: AutodiffBackend> Executor<B> {
     /// computed in the same pass that adds this micro-batch's contribution.
     pub fn micro_batch(
         &mut self,
-        model: &SharedModel,
+        model: &Arc<SharedModel>,
         batch: &Batch,
         denom: usize,
         last: bool,
-        grads: &HostGrads,
+        grads: &Arc<HostGrads>,
         want_version: u64,
     ) -> Result<MicroBatchResult, ExecError> {
         let cfg = &model.config;
@@ -265,255 +497,323 @@ impl<B: AutodiffBackend> Executor<B> {
             });
         }
         let peak = budget.peak();
-        let step = self.step;
-        let trace = Arc::clone(&self.trace);
-        let device = self.device.clone();
-        let plan = self.plan.clone();
-        let spill = self.spill.clone();
-        for (i, p) in plan.boundaries.iter().enumerate() {
-            if *p == Placement::Nvme && spill.is_none() {
+        for (i, p) in self.plan.boundaries.iter().enumerate() {
+            if *p == Placement::Nvme && self.spill.is_none() {
                 return Err(ExecError::NoSpillStore { boundary: i });
             }
         }
-
-        // The upload schedule, in the exact order compute consumes it.
-        let mut sched = Vec::new();
-        sched.extend((0..nl).map(Up::Layer));
-        for (s, e) in plan.segments_backward() {
-            if matches!(plan.boundaries[s], Placement::Host | Placement::Nvme) {
-                sched.push(Up::Act(s));
-            }
-            sched.extend((s..e.saturating_sub(1)).map(Up::Layer));
-            sched.extend((s..e).rev().map(Up::Layer));
+        if self.streams.is_none() {
+            self.streams = Some(Streams::new(lt_model::device::stream_mode(&self.device))?);
         }
-
-        let acts = ActStore::default();
+        let model_key = Arc::as_ptr(model) as usize;
+        // The step's head, if an earlier micro-batch of this step uploaded it (same model, same version).
+        let cached = match self.head.take() {
+            Some((m, v, h)) if m == model_key && v == want_version => Some(h),
+            _ => None,
+        };
+        let step = self.step;
+        let plan = Arc::new(self.plan.clone());
+        let sched = plan.uploads(cached.is_none());
+        let acts = Arc::new(ActStore::default());
         let hidden = cfg.hidden_size;
-        let ids = &batch.input_ids;
-        let (up_tx, up_rx) = channel::bounded::<Result<Uploaded<Inner<B>>, ExecError>>(1);
-        let (down_tx, down_rx) = channel::unbounded::<Down<Inner<B>>>();
+        let (up_tx, up_rx) = channel::bounded::<Result<Handoff<Inner<B>>, ExecError>>(1);
+        let (down_tx, down_rx) = channel::unbounded::<Down>();
+        let Some(streams) = self.streams.as_ref() else { return Err(ExecError::Worker("streams")) };
+        let mode = streams.mode;
+        let float = <<Inner<B> as burn::tensor::backend::BackendTypes>::FloatElem as burn::tensor::Element>::dtype();
 
-        let out = std::thread::scope(|scope| -> Result<(f64, Option<f64>), ExecError> {
-            // --- h2d stream ---
-            let up = {
-                let (trace, device, acts, spill) = (&trace, &device, &acts, &spill);
-                scope.spawn(move || {
-                    for item in sched {
-                        let msg = match item {
-                            Up::Layer(i) => {
-                                trace.wait_as(
-                                    Stream::H2d,
-                                    Stream::Optimizer,
-                                    step,
-                                    format!("wait update L{i}"),
-                                    || model.wait_version(layer_slot(i), want_version),
-                                );
-                                Ok(trace.span(Stream::H2d, step, format!("upload L{i}"), || {
-                                    let l = model.layers[i].read().unwrap_or_else(|e| e.into_inner());
-                                    Uploaded::Layer(i, LayerWeights::from_host(&l, cfg.layer_types[i], device))
-                                }))
-                            }
-                            Up::Act(s) => {
-                                fetch_act::<Inner<B>>(acts, spill.as_deref(), trace, step, s, [b, t, hidden], device)
-                                    .map(|x| Uploaded::Act(s, x))
-                            }
-                        };
-                        let failed = msg.is_err();
-                        if up_tx.send(msg).is_err() || failed {
-                            return;
-                        }
-                    }
-                })
-            };
-            // --- d2h stream ---
-            let down = {
-                let (trace, acts, spill, plan, pool) = (&trace, &acts, &spill, &plan, &*self.d2h_pool);
-                scope.spawn(move || -> Result<Option<f64>, ExecError> {
-                    let mut sq = 0.0f64;
-                    for msg in down_rx {
-                        match msg {
-                            Down::Offload(s, x) => {
-                                let data = trace.span(Stream::D2h, step, format!("offload B{s}"), || x.into_data());
-                                match plan.boundaries[s] {
-                                    Placement::Nvme => {
-                                        let r = match spill.as_deref() {
-                                            Some(sp) => trace.span(Stream::Nvme, step, format!("spill B{s}"), || {
-                                                sp.put(s as u64, data.as_bytes())
-                                            }),
-                                            None => Ok(()),
-                                        };
-                                        acts.put(
-                                            s,
-                                            match r {
-                                                Ok(()) => Held::Nvme(data.dtype),
-                                                Err(e) => Held::Failed(e.to_string()),
-                                            },
-                                        );
+        // --- h2d stream ---
+        let up = {
+            let (model, trace, device, acts, spill) = (
+                Arc::clone(model),
+                Arc::clone(&self.trace),
+                self.device.clone(),
+                Arc::clone(&acts),
+                self.spill.clone(),
+            );
+            let ids = batch.input_ids.clone();
+            streams.run(&streams.h2d, move || {
+                let cfg = &model.config;
+                for item in sched {
+                    let prepared = match item {
+                        Upload::Embed | Upload::Head => {
+                            trace.wait_as(Stream::H2d, Stream::Optimizer, step, "wait update head", || {
+                                model.wait_version(HEAD, want_version)
+                            });
+                            Ok(trace.span(Stream::H2d, step, format!("prepare {}", &item.to_string()[7..]), || {
+                                let h = model.head.read().unwrap_or_else(|e| e.into_inner());
+                                if item == Upload::Embed {
+                                    Prepared::Embed(gather_embedding(&h.embed_tokens, &ids, hidden, float))
+                                } else {
+                                    let out = h.lm_head.as_ref().unwrap_or(&h.embed_tokens);
+                                    Prepared::Head {
+                                        norm: host_data(&h.norm.data, &h.norm.shape, float),
+                                        out: host_data(&out.data, &out.shape, float),
                                     }
-                                    _ => acts.put(s, Held::Host(data)),
                                 }
+                            }))
+                        }
+                        Upload::Layer(i) => {
+                            trace.wait_as(Stream::H2d, Stream::Optimizer, step, format!("wait update L{i}"), || {
+                                model.wait_version(layer_slot(i), want_version)
+                            });
+                            Ok(trace.span(Stream::H2d, step, format!("prepare L{i}"), || {
+                                let l = model.layers[i].read().unwrap_or_else(|e| e.into_inner());
+                                Prepared::Layer(i, PreparedLayer::new::<Inner<B>>(&l, cfg.layer_types[i]))
+                            }))
+                        }
+                        Upload::Boundary(s) => fetch_act(&acts, spill.as_deref(), &trace, step, s, [b, t, hidden])
+                            .map(|d| Prepared::Act(s, d)),
+                    };
+                    let msg = prepared.map(|p| match mode {
+                        // The device half here, on this thread's own stream: the copy overlaps compute.
+                        StreamMode::Separate => {
+                            Handoff::Device(trace.span(Stream::H2d, step, item.to_string(), || p.bind(&device)))
+                        }
+                        StreamMode::Shared => Handoff::Host(p),
+                    });
+                    let failed = msg.is_err();
+                    if up_tx.send(msg).is_err() || failed {
+                        return;
+                    }
+                }
+            })
+        };
+        // --- d2h stream ---
+        let down = {
+            let (trace, acts, spill, plan, pool, grads) = (
+                Arc::clone(&self.trace),
+                Arc::clone(&acts),
+                self.spill.clone(),
+                Arc::clone(&plan),
+                Arc::clone(&self.d2h_pool),
+                Arc::clone(grads),
+            );
+            let ids = batch.input_ids.clone();
+            streams.run(&streams.d2h, move || -> Result<Option<f64>, ExecError> {
+                let mut sq = 0.0f64;
+                for msg in down_rx {
+                    match msg {
+                        Down::Offload(s, x) => {
+                            let what = format!("offload B{s}");
+                            let data = trace.span(Stream::D2h, step, what.clone(), || x.wait(&what))?;
+                            match plan.boundaries[s] {
+                                Placement::Nvme => {
+                                    let r = match spill.as_deref() {
+                                        Some(sp) => trace.span(Stream::Nvme, step, format!("spill B{s}"), || {
+                                            sp.put(s as u64, data.as_bytes())
+                                        }),
+                                        None => Ok(()),
+                                    };
+                                    acts.put(
+                                        s,
+                                        match r {
+                                            Ok(()) => Held::Nvme(data.dtype),
+                                            Err(e) => Held::Failed(e.to_string()),
+                                        },
+                                    );
+                                }
+                                _ => acts.put(s, Held::Host(data)),
                             }
-                            Down::Layer(j, params) => {
-                                trace.span(Stream::D2h, step, format!("grads L{j}"), || -> Result<(), ExecError> {
-                                    let host: Vec<TensorData> =
-                                        params.into_iter().map(|(_, g)| g.into_data()).collect();
-                                    let mut dst = grads.layer(j);
-                                    for (k, g) in host.iter().enumerate() {
-                                        sq += accumulate_data(&mut dst[k], g, pool)?;
+                        }
+                        Down::Layer(j, params) => {
+                            trace.span(Stream::D2h, step, format!("grads L{j}"), || -> Result<(), ExecError> {
+                                let what = format!("gradients of layer {j}");
+                                let host = params.into_iter().map(|g| g.wait(&what)).collect::<Result<Vec<_>, _>>()?;
+                                let mut dst = grads.layer(j);
+                                for (k, g) in host.iter().enumerate() {
+                                    sq += accumulate_data(&mut dst[k], g, &pool)?;
+                                }
+                                Ok(())
+                            })?
+                        }
+                        Down::Head { norm, out } => {
+                            trace.span(Stream::D2h, step, "grads head", || -> Result<(), ExecError> {
+                                let (norm, out) = (norm.wait("head gradients")?, out.wait("head gradients")?);
+                                let mut hg = grads.head();
+                                sq += accumulate_data(&mut hg.norm, &norm, &pool)?;
+                                match &mut hg.lm_head {
+                                    Some(h) => sq += accumulate_data(h, &out, &pool)?,
+                                    None => {
+                                        accumulate_data(&mut hg.embed_tokens, &out, &pool)?;
                                     }
-                                    Ok(())
-                                })?
-                            }
-                            Down::Head { norm, out } => {
-                                trace.span(Stream::D2h, step, "grads head", || -> Result<(), ExecError> {
-                                    let (norm, out) = (norm.into_data(), out.into_data());
-                                    let mut hg = grads.head();
-                                    sq += accumulate_data(&mut hg.norm, &norm, pool)?;
-                                    match &mut hg.lm_head {
-                                        Some(h) => sq += accumulate_data(h, &out, pool)?,
-                                        None => {
-                                            accumulate_data(&mut hg.embed_tokens, &out, pool)?;
-                                        }
-                                    }
-                                    Ok(())
-                                })?
-                            }
-                            Down::Embed(g0) => trace.span(Stream::D2h, step, "grads embed", || {
-                                let g0 = to_vec(g0);
+                                }
+                                Ok(())
+                            })?
+                        }
+                        Down::Embed(g0) => {
+                            trace.span(Stream::D2h, step, "grads embed", || -> Result<(), ExecError> {
+                                let g0 = g0.wait("the embedding gradient")?;
+                                let g0 = g0.convert::<f32>().to_vec::<f32>().unwrap_or_default();
                                 let mut hg = grads.head();
                                 let e = &mut hg.embed_tokens;
-                                for (r, row) in ids.iter().enumerate() {
-                                    for (c, &id) in row.iter().enumerate() {
-                                        let src = &g0[(r * t + c) * hidden..(r * t + c + 1) * hidden];
-                                        let dst = &mut e[id as usize * hidden..(id as usize + 1) * hidden];
-                                        for (d, s) in dst.iter_mut().zip(src) {
-                                            *d += *s;
-                                        }
-                                    }
+                                scatter_rows(e, &ids, &g0, hidden);
+                                // The embedding is complete only now (a tied head added to it earlier), and
+                                // only the step's last micro-batch needs its norm: one parallel pass per step.
+                                if last {
+                                    sq += sum_squares(Grad::F32(e), &pool);
                                 }
-                                // The embedding is complete only now (tied heads added earlier).
-                                sq += e.iter().map(|v| f64::from(*v) * f64::from(*v)).sum::<f64>();
-                            }),
+                                Ok(())
+                            })?
                         }
                     }
-                    Ok(if last { Some(sq) } else { None })
+                }
+                Ok(if last { Some(sq) } else { None })
+            })
+        };
+
+        // --- compute stream (this thread) ---
+        let trace = &self.trace;
+        let device = &self.device;
+        let run = || -> Result<(f64, Option<DeviceHead<Inner<B>>>), ExecError> {
+            let recv = |what: &str| -> Result<Uploaded<Inner<B>>, ExecError> {
+                let h = trace
+                    .wait(Stream::H2d, step, format!("wait {what}"), || up_rx.recv())
+                    .map_err(|_| ExecError::Worker("h2d"))??;
+                Ok(match h {
+                    Handoff::Device(u) => u,
+                    // Compute binds host-prepared data itself (one stream, one thread issuing device calls):
+                    // the time it takes is upload time that compute waits for.
+                    Handoff::Host(p) => trace.wait(Stream::H2d, step, format!("bind {}", p.what()), || p.bind(device)),
                 })
             };
-
-            // --- compute stream ---
-            let run = || -> Result<f64, ExecError> {
-                let recv = |what: &str| -> Result<Uploaded<Inner<B>>, ExecError> {
-                    trace
-                        .wait(Stream::H2d, step, format!("wait {what}"), || up_rx.recv())
-                        .map_err(|_| ExecError::Worker("h2d"))?
-                };
-                let layer = |i: usize| -> Result<LayerWeights<Inner<B>>, ExecError> {
-                    match recv(&format!("upload L{i}"))? {
-                        Uploaded::Layer(j, w) if j == i => Ok(w),
-                        _ => Err(ExecError::Worker("h2d (schedule out of order)")),
-                    }
-                };
-                let ctx = batch.context::<Inner<B>>(cfg, &device);
-                let ctx_ad = SeqCtx::<B>::lift(&ctx);
-                trace.wait(Stream::Optimizer, step, "wait update head", || model.wait_version(HEAD, want_version));
-                let head = trace.span(Stream::H2d, step, "upload head", || {
-                    let h = model.head.read().unwrap_or_else(|e| e.into_inner());
-                    HeadWeights::<Inner<B>>::from_host_parts(&h.embed_tokens, &h.norm, h.lm_head.as_ref(), &device)
-                });
-                let mut kept: HashMap<usize, Tensor<Inner<B>, 3>> = HashMap::new();
-                let mut x = trace.span(Stream::Compute, step, "embed", || embed(&head, ids));
-                kept.insert(0, x.clone());
-                for i in 0..nl {
-                    let w = layer(i)?;
-                    x = trace.span(Stream::Compute, step, format!("fwd L{i}"), || layer_forward(cfg, &w, x, &ctx));
-                    match plan.boundaries[i + 1] {
-                        Placement::Device => {
-                            kept.insert(i + 1, x.clone());
-                        }
-                        Placement::Host | Placement::Nvme => {
-                            let _ = down_tx.send(Down::Offload(i + 1, x.clone()));
-                        }
-                        Placement::Recompute => {}
-                    }
+            let fetch = |t| Fetch::new(t, mode);
+            let out_of_order = || ExecError::Worker("h2d (schedule out of order)");
+            let layer = |i: usize| -> Result<LayerWeights<Inner<B>>, ExecError> {
+                match recv(&format!("upload L{i}"))? {
+                    Uploaded::Layer(j, w) if j == i => Ok(w),
+                    _ => Err(out_of_order()),
                 }
-                kept.remove(&nl);
-                let (loss, mut g, gnorm, gout) = trace.span(Stream::Compute, step, "head+loss", || {
-                    head_backward::<B>(cfg, &head, x, &batch.labels, denom, plan.loss_chunk_tokens)
-                });
-                let _ = down_tx.send(Down::Head { norm: gnorm, out: gout });
-                for (s, e) in plan.segments_backward() {
-                    let x0 = match plan.boundaries[s] {
-                        Placement::Device => {
-                            kept.remove(&s).ok_or(ExecError::Worker("compute (missing kept boundary)"))?
-                        }
-                        _ => match recv(&format!("boundary B{s}"))? {
-                            Uploaded::Act(j, x) if j == s => x,
-                            _ => return Err(ExecError::Worker("h2d (schedule out of order)")),
-                        },
-                    };
-                    let mut xs = vec![x0];
-                    for j in s..e - 1 {
-                        let w = layer(j)?;
-                        let prev = xs[xs.len() - 1].clone();
-                        xs.push(trace.span(Stream::Compute, step, format!("recompute L{j}"), || {
-                            layer_forward(cfg, &w, prev, &ctx)
-                        }));
-                    }
-                    for j in (s..e).rev() {
-                        let w = layer(j)?;
-                        let xj = xs.pop().ok_or(ExecError::Worker("compute (segment inputs)"))?;
-                        let lg = trace.span(Stream::Compute, step, format!("bwd L{j}"), || {
-                            layer_backward::<B>(cfg, j, &w, xj, g.clone(), &ctx_ad)
-                        });
-                        let _ = down_tx.send(Down::Layer(j, lg.params));
-                        g = lg.input;
-                    }
-                }
-                let _ = down_tx.send(Down::Embed(g));
-                Ok(loss)
             };
-            let result = run();
-            drop(down_tx);
-            drop(up_rx);
-            let _ = up.join();
-            let sq = trace
-                .wait(Stream::D2h, step, "wait d2h drain", || down.join())
-                .map_err(|_| ExecError::Worker("d2h"))??;
-            result.map(|l| (l, sq))
-        });
-        let (loss, sq) = out?;
+            let ctx = batch.context::<Inner<B>>(cfg, device);
+            let ctx_ad = SeqCtx::<B>::lift(&ctx);
+            let mut kept: HashMap<usize, Tensor<Inner<B>, 3>> = HashMap::new();
+            let mut x = match recv("upload embed")? {
+                Uploaded::Embed(x) => x,
+                _ => return Err(out_of_order()),
+            };
+            kept.insert(0, x.clone());
+            for i in 0..nl {
+                let w = layer(i)?;
+                x = trace.span(Stream::Compute, step, format!("fwd L{i}"), || layer_forward(cfg, &w, x, &ctx));
+                match plan.boundaries[i + 1] {
+                    Placement::Device => {
+                        kept.insert(i + 1, x.clone());
+                    }
+                    Placement::Host | Placement::Nvme => {
+                        let _ = down_tx.send(Down::Offload(i + 1, Fetch::new(x.clone(), mode)));
+                    }
+                    Placement::Recompute => {}
+                }
+            }
+            kept.remove(&nl);
+            let head = match cached {
+                Some(h) => h,
+                None => match recv("upload head")? {
+                    Uploaded::Head(h) => h,
+                    _ => return Err(out_of_order()),
+                },
+            };
+            let (loss, mut g, gnorm, gout) = trace.span(Stream::Compute, step, "head+loss", || {
+                head_backward::<B>(cfg, &head, x, &batch.labels, denom, plan.loss_chunk_tokens)
+            });
+            let _ = down_tx.send(Down::Head { norm: fetch(gnorm), out: Fetch::new(gout, mode) });
+            // The step's last head op is done: free the head before the last backward.
+            let head = if last { None } else { Some(head) };
+            for (s, e) in plan.segments_backward() {
+                let x0 = match plan.boundaries[s] {
+                    Placement::Device => kept.remove(&s).ok_or(ExecError::Worker("compute (missing kept boundary)"))?,
+                    _ => match recv(&format!("boundary B{s}"))? {
+                        Uploaded::Act(j, x) if j == s => x,
+                        _ => return Err(out_of_order()),
+                    },
+                };
+                let mut xs = vec![x0];
+                for j in s..e - 1 {
+                    let w = layer(j)?;
+                    let prev = xs[xs.len() - 1].clone();
+                    xs.push(
+                        trace.span(Stream::Compute, step, format!("recompute L{j}"), || {
+                            layer_forward(cfg, &w, prev, &ctx)
+                        }),
+                    );
+                }
+                for j in (s..e).rev() {
+                    let w = layer(j)?;
+                    let xj = xs.pop().ok_or(ExecError::Worker("compute (segment inputs)"))?;
+                    let lg = trace.span(Stream::Compute, step, format!("bwd L{j}"), || {
+                        layer_backward::<B>(cfg, j, &w, xj, g.clone(), &ctx_ad)
+                    });
+                    let _ = down_tx.send(Down::Layer(j, lg.params.into_iter().map(|(_, p)| fetch(p)).collect()));
+                    g = lg.input;
+                }
+            }
+            let _ = down_tx.send(Down::Embed(Fetch::new(g, mode)));
+            Ok((loss, head))
+        };
+        let result = run();
+        drop(down_tx);
+        drop(up_rx);
+        let uploaded = joined(up, "h2d");
+        let sq = trace.wait(Stream::D2h, step, "wait d2h drain", || joined(down, "d2h"));
+        let (loss, head) = result?;
+        self.head = head.map(|h| (model_key, want_version, h));
+        uploaded?;
+        let sq = sq??;
         Ok(MicroBatchResult { loss, grad_sq_sum: sq, peak_device_bytes: peak })
     }
 }
 
-fn fetch_act<B: Backend>(
+/// The rows of `ids` gathered from the host embedding as `[B, T, hidden]` data in `dtype`: only the
+/// micro-batch's activation crosses the bus, never the embedding matrix (the planner's contract).
+fn gather_embedding(embed: &lt_model::host::HostTensor, ids: &[Vec<u32>], hidden: usize, dtype: DType) -> TensorData {
+    let (b, t) = (ids.len(), ids.first().map_or(0, Vec::len));
+    let mut rows = Vec::with_capacity(b * t * hidden);
+    for &id in ids.iter().flatten() {
+        // Ids are validated against the vocabulary before any upload.
+        let r = id as usize * hidden;
+        rows.extend_from_slice(&embed.data[r..r + hidden]);
+    }
+    host_data(&rows, &[b, t, hidden], dtype)
+}
+
+/// `e[id] += g[token]` for every token of `ids` (the embedding's backward).
+fn scatter_rows(e: &mut [f32], ids: &[Vec<u32>], g: &[f32], hidden: usize) {
+    for (k, &id) in ids.iter().flatten().enumerate() {
+        let src = &g[k * hidden..(k + 1) * hidden];
+        let dst = &mut e[id as usize * hidden..(id as usize + 1) * hidden];
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d += *s;
+        }
+    }
+}
+
+/// Offloaded boundary `s` back in host memory, in the device dtype: taken from the host tier, or
+/// read from NVMe.
+fn fetch_act(
     acts: &ActStore,
     spill: Option<&dyn ActivationSpill>,
     trace: &Trace,
     step: u64,
     s: usize,
     shape: [usize; 3],
-    device: &B::Device,
-) -> Result<Tensor<B, 3>, ExecError> {
-    let data = match acts.take(s) {
-        Held::Host(data) => data,
+) -> Result<TensorData, ExecError> {
+    match acts.take(s) {
+        Held::Host(data) => Ok(data),
         Held::Nvme(dtype) => {
             let sp = spill.ok_or(ExecError::NoSpillStore { boundary: s })?;
             let n = shape.iter().product::<usize>();
             let mut bytes = vec![0u8; n * dtype.size()];
             trace.span(Stream::Nvme, step, format!("read B{s}"), || sp.get(s as u64, &mut bytes))?;
             sp.free(s as u64);
-            TensorData::from_bytes_vec(bytes, shape, dtype)
+            Ok(TensorData::from_bytes_vec(bytes, shape, dtype))
         }
-        Held::Failed(e) => {
-            return Err(ExecError::Storage(lt_storage::StorageError::Io {
-                path: format!("spill boundary {s}").into(),
-                op: "write",
-                source: std::io::Error::other(e),
-            }));
-        }
-    };
-    Ok(trace.span(Stream::H2d, step, format!("reload B{s}"), || lt_model::upload::upload_data(data, device)))
+        Held::Failed(e) => Err(ExecError::Storage(lt_storage::StorageError::Io {
+            path: format!("spill boundary {s}").into(),
+            op: "write",
+            source: std::io::Error::other(e),
+        })),
+    }
 }
 
 /// Chunked head and loss with backward: returns the loss share, d loss / d x_L, and the gradients of
@@ -521,7 +821,7 @@ fn fetch_act<B: Backend>(
 /// each chunk's graph is dropped before the next (the anchor kept every chunk alive).
 fn head_backward<B: AutodiffBackend>(
     cfg: &ModelConfig,
-    head: &HeadWeights<Inner<B>>,
+    head: &DeviceHead<Inner<B>>,
     x: Tensor<Inner<B>, 3>,
     labels: &[Vec<i64>],
     denom: usize,
@@ -533,7 +833,7 @@ fn head_backward<B: AutodiffBackend>(
     let flat = x.reshape([n, h]);
     let (targets, weights) = shifted_targets(labels, denom);
     let mut gnorm = Tensor::<Inner<B>, 1>::zeros([h], &device);
-    let mut gout = Tensor::<Inner<B>, 2>::zeros(head.output_weight().dims(), &device);
+    let mut gout = Tensor::<Inner<B>, 2>::zeros(head.out.dims(), &device);
     let mut gx = Vec::new();
     let mut loss = 0.0f64;
     let chunk = chunk.max(1);
@@ -548,7 +848,7 @@ fn head_backward<B: AutodiffBackend>(
         }
         let xc: Tensor<B, 2> = Tensor::from_inner(flat.clone().narrow(0, a, len)).require_grad();
         let nw: Tensor<B, 1> = Tensor::from_inner(head.norm.clone()).require_grad();
-        let ow: Tensor<B, 2> = Tensor::from_inner(head.output_weight().clone()).require_grad();
+        let ow: Tensor<B, 2> = Tensor::from_inner(head.out.clone()).require_grad();
         let hn = ops::rms_norm(xc.clone(), &nw, cfg.rms_norm_eps, cfg.zero_centered_norm);
         let logits = hn.matmul(ow.clone().transpose());
         let idx = Tensor::<B, 2, Int>::from_data(TensorData::new(targets[a..a + len].to_vec(), [len, 1]), &device);

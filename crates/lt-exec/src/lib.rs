@@ -13,8 +13,8 @@
 //! let plan = ExecPlan::every(host.config.num_layers(), 4, lt_exec::plan::Placement::Device);
 //! let mut ex = Executor::<CpuAutodiff>::new(plan, lt_core::ByteSize::gib(1), Default::default(), None);
 //! let batch = Batch::from_ids(vec![vec![1, 2, 3, 4]]);
-//! let grads = HostGrads::zeros_like(&host);
-//! let model = SharedModel::new(host, 0);
+//! let grads = std::sync::Arc::new(HostGrads::zeros_like(&host));
+//! let model = std::sync::Arc::new(SharedModel::new(host, 0));
 //! let r = ex.micro_batch(&model, &batch, batch.loss_tokens(), true, &grads, 0).unwrap();
 //! println!("loss {}", r.loss);
 //! ```

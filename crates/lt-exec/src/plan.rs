@@ -108,6 +108,63 @@ impl ExecPlan {
         let k = self.kept();
         k.windows(2).rev().map(|w| (w[0], w[1])).collect()
     }
+
+    /// The h2d stream's transfers for one micro-batch, in the order compute consumes them:
+    /// the embedded tokens (gathered from the host embedding, so the embedding matrix never goes to the
+    /// device), the forward layers, the head (final norm and output projection) when `with_head`,
+    /// i.e. on the step's first micro-batch, while the last forward layer computes, and then per
+    /// backward segment the segment's start boundary if it lives off-device, the recompute layers
+    /// and the backward layers. The executor runs exactly this list.
+    pub fn uploads(&self, with_head: bool) -> Vec<Upload> {
+        let layers = self.boundaries.len().saturating_sub(1);
+        let mut out = vec![Upload::Embed];
+        out.extend((0..layers).map(Upload::Layer));
+        if with_head {
+            out.push(Upload::Head);
+        }
+        for (s, e) in self.segments_backward() {
+            if matches!(self.boundaries[s], Placement::Host | Placement::Nvme) {
+                out.push(Upload::Boundary(s));
+            }
+            out.extend((s..e.saturating_sub(1)).map(Upload::Layer));
+            out.extend((s..e).rev().map(Upload::Layer));
+        }
+        out
+    }
+
+    /// Host-to-device transfers of one step of `micro_batches` micro-batches: the head once, the rest
+    /// per micro-batch (see [`ExecPlan::uploads`]).
+    pub fn uploads_per_step(&self, micro_batches: usize) -> usize {
+        if micro_batches == 0 {
+            return 0;
+        }
+        self.uploads(true).len() + (micro_batches - 1) * self.uploads(false).len()
+    }
+}
+
+/// One host-to-device transfer of the h2d stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Upload {
+    /// The micro-batch's embedded tokens, `[B, T, hidden]` (boundary 0).
+    Embed,
+    /// Decoder layer `i`'s weights.
+    Layer(usize),
+    /// Final norm and output projection (the embedding matrix when tied).
+    Head,
+    /// Offloaded boundary `s` coming back for its backward segment.
+    Boundary(usize),
+}
+
+impl std::fmt::Display for Upload {
+    /// The name of the transfer's span in the trace.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Upload::Embed => write!(f, "upload embed"),
+            Upload::Layer(i) => write!(f, "upload L{i}"),
+            Upload::Head => write!(f, "upload head"),
+            Upload::Boundary(s) => write!(f, "reload B{s}"),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -121,6 +178,35 @@ mod tests {
         assert_eq!(p.segments_backward(), vec![(8, 10), (4, 8), (0, 4)]);
         p.validate(10).unwrap();
         assert!(p.validate(9).is_err());
+    }
+
+    /// Forward layers, the head once, then per segment: its off-device start, recompute, backward.
+    #[test]
+    fn upload_schedule_follows_the_segments() {
+        use Upload::*;
+        // Boundaries [device, recompute, host, recompute, device]: segments (2, 4) then (0, 2).
+        let p = ExecPlan::every(4, 2, Placement::Host);
+        assert_eq!(p.segments_backward(), vec![(2, 4), (0, 2)]);
+        let want = [
+            Embed,
+            Layer(0),
+            Layer(1),
+            Layer(2),
+            Layer(3),
+            Head,
+            Boundary(2),
+            Layer(2),
+            Layer(3),
+            Layer(2),
+            Layer(0),
+            Layer(1),
+            Layer(0),
+        ];
+        assert_eq!(p.uploads(true), want);
+        let later: Vec<Upload> = want.iter().copied().filter(|u| *u != Head).collect();
+        assert_eq!(p.uploads(false), later);
+        assert_eq!(p.uploads_per_step(3), 13 + 2 * 12);
+        assert_eq!(p.uploads_per_step(0), 0);
     }
 
     #[test]

@@ -4,6 +4,7 @@
 //! paths run the same kernels, differing only in how upstream gradients are summed).
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use lt_core::ByteSize;
 use lt_exec::executor::Executor;
@@ -56,8 +57,8 @@ fn every_plan_matches_full_graph_for_every_family() {
         let (ref_loss, reference) = full_graph_grads::<CpuAutodiff>(&model, &b);
         for (pname, plan) in plans(host.config.num_layers()) {
             let mut ex = Executor::<CpuAutodiff>::new(plan, ByteSize::gib(1), Default::default(), None);
-            let grads = HostGrads::zeros_like(&host);
-            let shared = SharedModel::new(host.clone(), 0);
+            let grads = Arc::new(HostGrads::zeros_like(&host));
+            let shared = Arc::new(SharedModel::new(host.clone(), 0));
             let r = ex.micro_batch(&shared, &b, b.loss_tokens(), true, &grads, 0).unwrap();
             assert!(
                 ((r.loss as f32 - ref_loss) / ref_loss).abs() < 1e-6,
@@ -87,8 +88,8 @@ fn gradient_accumulation_equals_full_batch() {
     let model = DeviceModel::<CpuBackend>::from_host(&host, &Default::default());
     let (ref_loss, reference) = full_graph_grads::<CpuAutodiff>(&model, &b);
     let mut ex = Executor::<CpuAutodiff>::new(ExecPlan::recompute_all(2), ByteSize::gib(1), Default::default(), None);
-    let grads = HostGrads::zeros_like(&host);
-    let shared = SharedModel::new(host.clone(), 0);
+    let grads = Arc::new(HostGrads::zeros_like(&host));
+    let shared = Arc::new(SharedModel::new(host.clone(), 0));
     let denom = b.loss_tokens();
     let mut loss = 0.0;
     for r in 0..2 {
@@ -110,8 +111,8 @@ fn a_tiny_budget_fails_before_compute_with_the_minimum() {
     let plan = ExecPlan::keep_all(2);
     let mut ex = Executor::<CpuAutodiff>::new(plan, ByteSize(1024), Default::default(), None);
     let need = ex.required_device_bytes(&host.config, 2, 10);
-    let grads = HostGrads::zeros_like(&host);
-    let shared = SharedModel::new(host.clone(), 0);
+    let grads = Arc::new(HostGrads::zeros_like(&host));
+    let shared = Arc::new(SharedModel::new(host.clone(), 0));
     let e = ex.micro_batch(&shared, &b, b.loss_tokens(), true, &grads, 0).unwrap_err().to_string();
     assert!(e.contains("too small") && e.contains(&lt_exec::budget::round_up(need)), "{e}");
     assert!(ex.trace().events().is_empty(), "nothing ran");
@@ -121,4 +122,39 @@ fn a_tiny_budget_fails_before_compute_with_the_minimum() {
     // Recomputing needs less than keeping everything.
     let ex2 = Executor::<CpuAutodiff>::new(ExecPlan::recompute_all(2), ByteSize(need), Default::default(), None);
     assert!(ex2.required_device_bytes(&host.config, 2, 10) <= need);
+}
+
+/// The h2d stream uploads exactly what the plan lists ([`ExecPlan::uploads`]): the head once per
+/// step, everything else per micro-batch, counted from the trace's transfer spans.
+#[test]
+fn uploads_per_step_are_what_the_plan_says() {
+    use lt_exec::train::{LrSchedule, TrainOptions, Trainer};
+    let dir = fixture("qwen35-hybrid");
+    let host = HostModel::load(&dir).unwrap();
+    let b = batch(&dir);
+    let mbs: Vec<Batch> = (0..2).map(|r| Batch::new(vec![b.input_ids[r].clone()], vec![b.labels[r].clone()])).collect();
+    let opts = TrainOptions {
+        adamw: lt_optim::AdamWConfig::default(),
+        optimizer: lt_optim::OptimizerKind::AdamW,
+        warmup_steps: 0,
+        schedule: LrSchedule::Constant,
+        total_steps: 2,
+        overlap_optimizer: true,
+        threads: 1,
+    };
+    for (pname, plan) in plans(host.config.num_layers()) {
+        let ex = Executor::<CpuAutodiff>::new(plan.clone(), ByteSize::gib(1), Default::default(), None);
+        let mut tr = Trainer::new(Arc::new(SharedModel::new(host.clone(), 0)), ex, opts.clone(), None, 0).unwrap();
+        for _ in 0..2 {
+            let m = tr.step(&mbs).unwrap();
+            let n = tr
+                .trace()
+                .events()
+                .iter()
+                .filter(|e| e.step == m.step && (["upload ", "reload ", "bind "].iter().any(|p| e.name.starts_with(p))))
+                .count();
+            assert_eq!(n, plan.uploads_per_step(mbs.len()), "{pname} step {}", m.step);
+            assert!(n > 0);
+        }
+    }
 }

@@ -257,6 +257,7 @@ pub fn simulate(inst: &Instance, placements: &[Placement], overlap: OptimizerOve
     let mut staging = [NONE; 2];
     let mut st_next = 0usize;
     let mut prev_head = NONE;
+    let mut step_up_head = NONE;
     let mut opt_layer = vec![NONE; l];
     let mut opt_embed = NONE;
     let mut opt_head = NONE;
@@ -345,9 +346,10 @@ pub fn simulate(inst: &Instance, placements: &[Placement], overlap: OptimizerOve
                         Label::UpW(i as u32 + 1),
                         mbu,
                     );
-                } else {
-                    // The head's buffer frees when the previous micro-batch's head ends; the upload waits
-                    // for the op before the last forward layer, so it overlaps that layer only.
+                } else if m == 0 {
+                    // The head is uploaded once per step, with the first micro-batch: the upload waits
+                    // for the previous step's last head and for the op before the last forward layer,
+                    // so it overlaps that layer only. Later micro-batches reuse it.
                     let gh = gate(Some(l), &gate_layer, gate_embed, gate_head, gate_serial);
                     let before_last = wbuf_user[(layer_ops % 2) as usize];
                     up_head = g.add(
@@ -357,6 +359,9 @@ pub fn simulate(inst: &Instance, placements: &[Placement], overlap: OptimizerOve
                         Label::UpHead,
                         mbu,
                     );
+                    step_up_head = up_head;
+                } else {
+                    up_head = step_up_head;
                 }
                 // Offload the boundary this op produced.
                 let j = i + 1;
@@ -380,8 +385,14 @@ pub fn simulate(inst: &Instance, placements: &[Placement], overlap: OptimizerOve
             }
             // ---- head ----
             let head = g.add(Stream::Compute, inst.head.seconds, &[up_head, offload_done[l - 1]], Label::Head, mbu);
+            // The head's weights stay on the device from their upload to the step's last head op:
+            // one hold per micro-batch, each from where the previous one ended.
+            if m == 0 {
+                g.hold(GPU, inst.head.weight_bytes, up_head, false, [head, NONE]);
+            } else {
+                g.hold(GPU, inst.head.weight_bytes, prev_head, true, [head, NONE]);
+            }
             prev_head = head;
-            g.hold(GPU, inst.head.weight_bytes, up_head, false, [head, NONE]);
             g.hold(GPU, (inst.head.workspace_bytes - inst.head.weight_bytes).max(0.0), head, false, [head, NONE]);
             g.hold(GPU, a, last_fwd, false, [head, NONE]); // boundary L
             let _ = last_fwd;

@@ -144,7 +144,8 @@ pub(crate) fn micro_batch_windows(inst: &Instance, placements: &[Placement], m: 
         let mut w = Win { compute: op_compute(inst, op), ..Win::default() };
         match op {
             Op::Fwd(i) => {
-                w.h2d_bytes = next.map_or(0.0, |(n, _)| op_weights(inst, n));
+                // The head is uploaded once per step, during the first micro-batch's last forward op.
+                w.h2d_bytes = next.map_or(0.0, |(n, _)| if n == Op::Head && m > 0 { 0.0 } else { op_weights(inst, n) });
                 if i >= 1 && placements[i].is_offloaded() {
                     w.offload = placements[i].tier();
                 }
@@ -277,25 +278,38 @@ pub fn edge_cost(inst: &Instance, s: usize, e: usize, tier: Tier) -> f64 {
     let k = inst.grad_accum_steps as f64;
     let lay = &inst.layers;
     let w = |i: usize| lay[i].weight_bytes;
-    // Weights uploaded during forward window i: the next layer's, or the head's after the last.
-    let fwd_next = |i: usize| if i + 1 < l { w(i + 1) } else { inst.head.weight_bytes };
+    // Weights uploaded during forward window i: the next layer's, or after the last the head's, which
+    // only the step's first micro-batch uploads.
+    let fwd_next = |i: usize, first: bool| {
+        if i + 1 < l {
+            w(i + 1)
+        } else if first {
+            inst.head.weight_bytes
+        } else {
+            0.0
+        }
+    };
     // Gradients downloaded during B_j: those of the op before it, B_{j+1} or the head.
     let grads_during_b = |j: usize| if j + 1 < l { lay[j + 1].grad_bytes } else { inst.head.grad_bytes };
     let offload = if tier == Tier::Gpu { None } else { Some(tier) };
 
-    let fwd = |i: usize, off: Option<Tier>, d2h: f64| {
-        let win =
-            Win { compute: lay[i].fwd_seconds, h2d_bytes: fwd_next(i), d2h_bytes: d2h, offload: off, reload: None };
+    let fwd = |i: usize, off: Option<Tier>, first: bool| {
+        let win = Win {
+            compute: lay[i].fwd_seconds,
+            h2d_bytes: fwd_next(i, first),
+            d2h_bytes: 0.0,
+            offload: off,
+            reload: None,
+        };
         window_seconds(inst, &win)
     };
-    // Forward windows: identical in every micro-batch, except that from the second micro-batch on
-    // the first segment's windows last at least as long as the previous micro-batch's tail downloads.
+    // Forward windows: identical in every micro-batch but for the head's upload in the first, and from
+    // the second micro-batch on the first segment's windows last at least as long as the previous
+    // micro-batch's tail downloads.
     let off_s = if s >= 1 { offload } else { None };
-    let mut fwd_sum = fwd(s, off_s, 0.0);
-    for i in s + 1..e {
-        fwd_sum += fwd(i, None, 0.0);
-    }
-    let total = if s == 0 { fwd_sum + (k - 1.0) * fwd_sum.max(tail_seconds(inst)) } else { k * fwd_sum };
+    let fwd_sum = |first: bool| (s + 1..e).map(|i| fwd(i, None, first)).sum::<f64>() + fwd(s, off_s, first);
+    let (first, rest) = (fwd_sum(true), fwd_sum(false));
+    let total = if s == 0 { first + (k - 1.0) * rest.max(tail_seconds(inst)) } else { first + (k - 1.0) * rest };
 
     let mut bwd = 0.0;
     // Recompute windows R_s..R_{e-2}: upload the next op's layer (j + 1); R_s downloads the gradients
@@ -384,7 +398,12 @@ impl MemoryModel {
     pub fn new(inst: &Instance) -> Self {
         let a = inst.boundary_bytes;
         let l = inst.num_layers();
-        let free = inst.gpu_capacity - inst.gpu_fixed_bytes();
+        // With gradient accumulation the head's weights stay on the device from the first
+        // micro-batch's last forward layer to the step's last head op, through every op of the earlier
+        // micro-batches (uploaded once per step): count them as fixed. Alone, they live only from the
+        // last forward layer to the head, as below.
+        let resident_head = if inst.grad_accum_steps > 1 { inst.head.weight_bytes } else { 0.0 };
+        let free = inst.gpu_capacity - inst.gpu_fixed_bytes() - resident_head;
         let cap_row = (0..l)
             .map(|k| {
                 let ws_rec = if k >= 1 { inst.layers[k - 1].fwd_workspace_bytes } else { 0.0 };
@@ -396,8 +415,9 @@ impl MemoryModel {
         let last_fwd = inst.layers.last().map_or(0.0, |x| x.fwd_workspace_bytes);
         // Forward of layer k: its input and output plus its working set (plus the head weights being
         // prefetched during the last layer); the head: boundary L plus its working set.
-        let need =
-            (fwd_ws + 2.0 * a).max(last_fwd + 2.0 * a + inst.head.weight_bytes).max(inst.head.workspace_bytes + a);
+        let need = (fwd_ws + 2.0 * a)
+            .max(last_fwd + 2.0 * a + inst.head.weight_bytes - resident_head)
+            .max(inst.head.workspace_bytes - resident_head + a);
         MemoryModel {
             slot_bytes: a,
             cap_row,
