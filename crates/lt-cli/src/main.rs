@@ -6,6 +6,7 @@
 use clap::{Parser, Subcommand};
 
 mod cmd;
+mod device;
 mod evaluate;
 mod fsutil;
 mod plot;

@@ -36,7 +36,8 @@ use lt_optim::{OptimizerKind, Quant8Config};
 use lt_sched::SchedError;
 use lt_sched::cost::{AttentionKernel, CostOptions, ExecConfig, Instance};
 
-use super::train::{DeviceChoice, OptimizerChoice, Policy, RunFile, Settings, choose_plan};
+use super::train::{OptimizerChoice, Policy, RunFile, Settings, choose_plan};
+use crate::device::DeviceChoice;
 
 /// Arguments of `lt bench train`.
 #[derive(Debug, Clone, clap::Args)]
@@ -273,7 +274,8 @@ fn settings(args: &BenchTrainArgs) -> Result<Settings> {
     }
     let hardware = args.hardware.clone().unwrap_or_else(|| {
         match args.device {
-            DeviceChoice::Cpu => "cpu",
+            // wgpu has no built-in profile: `lt profile --device wgpu` measures one.
+            DeviceChoice::Cpu | DeviceChoice::Wgpu => "cpu",
             DeviceChoice::Cuda => "h200",
         }
         .into()
@@ -365,6 +367,11 @@ pub(crate) fn vm_hwm() -> Option<u64> {
     proc_kb("/proc/self/status", "VmHWM")
 }
 
+/// This process's resident set size now (VmRSS), bytes.
+fn vm_rss() -> Option<u64> {
+    proc_kb("/proc/self/status", "VmRSS")
+}
+
 /// What one benchmark run measured.
 #[derive(Debug)]
 struct Report {
@@ -440,10 +447,10 @@ fn bench(args: &BenchTrainArgs) -> Result<Report, Failure> {
 
     // Host memory first: the masters alone of a large model can exhaust the machine.
     let host_boundaries = chosen.plan.boundaries.iter().filter(|p| **p == Placement::Host).count();
-    // Host-tier boundaries are kept in the device dtype: bf16 on CUDA, f32 on the CPU backend.
+    // Host-tier boundaries are kept in the device dtype: bf16 on CUDA, f32 on the CPU and wgpu backends.
     let act_elem_bytes = match args.device {
         DeviceChoice::Cuda => 2,
-        DeviceChoice::Cpu => 4,
+        DeviceChoice::Cpu | DeviceChoice::Wgpu => 4,
     };
     let need = host_bytes_needed(&cfg, s.optimizer, host_boundaries, micro, s.seq_len, act_elem_bytes);
     match mem_available() {
@@ -467,11 +474,13 @@ activations) but only {} is available (MemAvailable)",
         DeviceChoice::Cpu => bench_on::<lt_model::CpuAutodiff>(args, &s, &cfg, &chosen, need, Default::default()),
         #[cfg(feature = "cuda")]
         DeviceChoice::Cuda => bench_on::<lt_model::CudaAutodiff>(args, &s, &cfg, &chosen, need, Default::default()),
-        #[cfg(not(feature = "cuda"))]
-        DeviceChoice::Cuda => Err(Failure::new(
-            FailKind::Error,
-            "--device cuda: this `lt` was built without CUDA; rebuild with `cargo build --release --features cuda -p lt-cli`",
-        )),
+        #[cfg(feature = "wgpu")]
+        DeviceChoice::Wgpu => {
+            let device = crate::device::wgpu().map_err(|e| Failure::new(FailKind::Error, e.to_string()))?;
+            bench_on::<lt_model::WgpuAutodiff>(args, &s, &cfg, &chosen, need, device)
+        }
+        #[allow(unreachable_patterns)]
+        d => Err(Failure::new(FailKind::Error, crate::device::not_built(d).to_string())),
     }
 }
 
@@ -634,12 +643,18 @@ least {} (try --gpu-memory {} or a smaller --micro-batch-size)",
     let vocab = cfg.vocab_size as u64;
     let mut timed: Vec<StepMetrics> = Vec::new();
     let mut losses = Vec::new();
+    // After every step (warm-up included): device memory the runtime reserved over the executor's
+    // streams, and host RSS. A leak shows as growth after step 2.
+    let mut reserved: Vec<Option<u64>> = Vec::new();
+    let mut rss: Vec<Option<u64>> = Vec::new();
     for k in 0..total {
         let rows: Vec<Vec<u32>> =
             (0..s.batch_size).map(|_| (0..s.seq_len).map(|_| rng.below(vocab) as u32).collect()).collect();
         let mbs: Vec<Batch> = rows.chunks(micro).map(|c| Batch::from_ids(c.to_vec())).collect();
         let m = trainer.step(&mbs).map_err(|e| err(e.into()))?;
         losses.push(m.loss);
+        reserved.push(trainer.executor.device_reserved_bytes());
+        rss.push(vm_rss());
         pb.set_position(k + 1);
         pb.set_message(format!("{} {:.3} s/step", if k < args.warmup { "warm-up" } else { "timed" }, m.step_seconds));
         if !std::io::IsTerminal::is_terminal(&std::io::stderr()) && !args.json {
@@ -716,7 +731,7 @@ least {} (try --gpu-memory {} or a smaller --micro-batch-size)",
             (p, "nvidia-smi memory.used sampled every 50 ms (whole GPU: CUDA context and allocator pools)")
         }
         (DeviceChoice::Cuda, None) => (budget_peak, "budget-accounting (nvidia-smi unavailable)"),
-        (DeviceChoice::Cpu, _) => (budget_peak, "budget-accounting"),
+        (DeviceChoice::Cpu | DeviceChoice::Wgpu, _) => (budget_peak, "budget-accounting"),
     };
     let exposed_mean = |f: fn(&lt_exec::trace::PerStream) -> f64| {
         mean(&timed.iter().map(|m| f(&m.timing.exposed)).collect::<Vec<_>>())
@@ -727,10 +742,7 @@ least {} (try --gpu-memory {} or a smaller --micro-batch-size)",
         "nvme": exposed_mean(|p| p.nvme),
         "optimizer": exposed_mean(|p| p.optimizer),
     });
-    let (device_name, dtype) = match s.device {
-        DeviceChoice::Cpu => ("cpu", "f32"),
-        DeviceChoice::Cuda => ("cuda", "bf16"),
-    };
+    let (device_name, dtype) = (s.device.name(), s.device.dtype());
     let plan_str: String = chosen
         .plan
         .boundaries
@@ -775,6 +787,12 @@ least {} (try --gpu-memory {} or a smaller --micro-batch-size)",
         "device_budget_bytes": chosen.budget.0,
         "peak_host_bytes": vm_hwm(),
         "peak_host_source": "VmHWM",
+        "peak_host_rss_bytes": vm_hwm(),
+        "host_rss_bytes_per_step": rss,
+        "device_reserved_bytes_per_step": reserved,
+        "device_reserved_bytes_step2": reserved.get(1).copied().flatten(),
+        "device_reserved_bytes_last": reserved.last().copied().flatten(),
+        "device_reserved_source": "cubecl memory_usage().bytes_reserved summed over the executor's streams (null on the CPU backend)",
         "host_estimate_bytes": host_need,
         "exposed_seconds": exposed,
         "predicted_step_seconds": predicted,

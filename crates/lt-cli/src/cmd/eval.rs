@@ -9,7 +9,7 @@ use lt_data::{DatasetFile, DatasetFormat, PrepareOptions, prepare};
 use lt_model::host::HostModel;
 use lt_model::weights::DeviceModel;
 
-use super::train::DeviceChoice;
+use crate::device::DeviceChoice;
 use crate::evaluate::{encoder_for, evaluate};
 
 /// Arguments of `lt eval`.
@@ -61,11 +61,9 @@ fn generate_on<B: Backend>(
     examples: &[lt_data::EvalExample],
     args: &EvalArgs,
     progress: impl FnMut(usize),
-) -> Result<(lt_data::Accuracy, Vec<crate::evaluate::Prediction>)>
-where
-    B::Device: Default,
-{
-    let model = DeviceModel::<B>::from_host(host, &Default::default());
+    device: &B::Device,
+) -> Result<(lt_data::Accuracy, Vec<crate::evaluate::Prediction>)> {
+    let model = DeviceModel::<B>::from_host(host, device);
     evaluate(
         &model,
         encoder.tokenizer(),
@@ -96,20 +94,29 @@ pub fn run(args: &EvalArgs) -> Result<()> {
     let pb = crate::progress::bar(examples.len() as u64, "eval");
     let score = |n: usize| pb.inc(n as u64);
     let (acc, preds) = match args.device {
-        DeviceChoice::Cpu => generate_on::<lt_model::CpuBackend>(&host, &encoder, &examples, args, score)?,
+        DeviceChoice::Cpu => {
+            generate_on::<lt_model::CpuBackend>(&host, &encoder, &examples, args, score, &Default::default())?
+        }
         #[cfg(feature = "cuda")]
         DeviceChoice::Cuda => {
             // A GPU out-of-memory or driver failure surfaces as a panic inside cubecl: report it as one line.
             super::bench_train::catch_panics(|| {
-                generate_on::<lt_model::CudaBackend>(&host, &encoder, &examples, args, score)
+                generate_on::<lt_model::CudaBackend>(&host, &encoder, &examples, args, score, &Default::default())
                     .map_err(|e| super::bench_train::Failure::from_error(&e))
             })
             .map_err(|e| anyhow::anyhow!("--device cuda: {e}"))?
         }
-        #[cfg(not(feature = "cuda"))]
-        DeviceChoice::Cuda => anyhow::bail!(
-            "--device cuda: this `lt` was built without CUDA; rebuild with `cargo build --release --features cuda -p lt-cli`"
-        ),
+        #[cfg(feature = "wgpu")]
+        DeviceChoice::Wgpu => {
+            let device = crate::device::wgpu()?;
+            super::bench_train::catch_panics(|| {
+                generate_on::<lt_model::WgpuBackend>(&host, &encoder, &examples, args, score, &device)
+                    .map_err(|e| super::bench_train::Failure::from_error(&e))
+            })
+            .map_err(|e| anyhow::anyhow!("--device wgpu: {e}"))?
+        }
+        #[allow(unreachable_patterns)]
+        d => return Err(crate::device::not_built(d)),
     };
     pb.finish_and_clear();
     let pred_path = args.predictions.clone().unwrap_or_else(|| args.model.join("predictions.jsonl"));

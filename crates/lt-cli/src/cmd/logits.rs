@@ -8,6 +8,8 @@ use lt_model::host::HostModel;
 use lt_model::model::{Batch, forward_logits, to_vec};
 use lt_model::weights::DeviceModel;
 
+use crate::device::DeviceChoice;
+
 /// Arguments of `lt logits`.
 #[derive(Debug, clap::Args)]
 #[command(
@@ -27,6 +29,10 @@ pub struct LogitsArgs {
     /// Sequences per forward pass (bounds memory; does not change the result).
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..))]
     pub rows_per_pass: u64,
+    /// Backend: `cpu` (f32, the reference), `cuda` (bf16) or `wgpu` (f32) where built. The whole
+    /// model is uploaded, so on a device it must fit.
+    #[arg(long, value_enum, default_value = "cpu")]
+    pub device: DeviceChoice,
 }
 
 /// Read `{"input_ids": [...]}` lines; errors name the file, the line and the field.
@@ -59,21 +65,41 @@ pub fn read_token_lines(path: &Path) -> Result<Vec<Vec<u32>>> {
     Ok(rows)
 }
 
+/// Logits of every row of `batch`, `per_pass` rows per forward, as f32 in row-major order.
+fn logits_on<B: burn::tensor::backend::Backend>(
+    host: &HostModel,
+    batch: &Batch,
+    per_pass: usize,
+    device: &B::Device,
+    pb: &indicatif::ProgressBar,
+) -> Vec<f32> {
+    let model = DeviceModel::<B>::from_host(host, device);
+    let mut out = Vec::new();
+    for chunk in batch.input_ids.chunks(per_pass) {
+        out.extend(to_vec(forward_logits(&model, chunk)));
+        pb.inc(chunk.len() as u64);
+    }
+    out
+}
+
 /// Run the command.
 pub fn run(args: &LogitsArgs) -> Result<()> {
     let host = HostModel::load(&args.model)?;
     let rows = read_token_lines(&args.tokens)?;
     let batch = Batch::from_ids(rows);
     let (b, t) = batch.validate(host.config.vocab_size, &args.tokens.display().to_string())?;
-    let device = Default::default();
-    let model = DeviceModel::<lt_model::CpuBackend>::from_host(&host, &device);
     let vocab = host.config.vocab_size;
-    let mut out = Vec::with_capacity(b * t * vocab);
     let pb = crate::progress::bar(b as u64, "logits");
-    for chunk in batch.input_ids.chunks(args.rows_per_pass as usize) {
-        out.extend(to_vec(forward_logits(&model, chunk)));
-        pb.inc(chunk.len() as u64);
-    }
+    let per_pass = args.rows_per_pass as usize;
+    let out = match args.device {
+        DeviceChoice::Cpu => logits_on::<lt_model::CpuBackend>(&host, &batch, per_pass, &Default::default(), &pb),
+        #[cfg(feature = "cuda")]
+        DeviceChoice::Cuda => logits_on::<lt_model::CudaBackend>(&host, &batch, per_pass, &Default::default(), &pb),
+        #[cfg(feature = "wgpu")]
+        DeviceChoice::Wgpu => logits_on::<lt_model::WgpuBackend>(&host, &batch, per_pass, &crate::device::wgpu()?, &pb),
+        #[allow(unreachable_patterns)]
+        d => return Err(crate::device::not_built(d)),
+    };
     pb.finish_and_clear();
     let bytes: Vec<u8> = out.iter().flat_map(|x| x.to_le_bytes()).collect();
     let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![b, t, vocab], &bytes)

@@ -40,7 +40,8 @@ use lt_optim::{AdamW, AdamWConfig, Grad, OptimizerKind, StepOutcome, ThreadPool}
 use lt_sched::cost::{CostOptions, ExecConfig, Instance};
 use lt_storage::spill::{SpillBuf, SpillConfig, SpillStore, Ticket};
 
-use super::train::{DeviceChoice, OptimizerChoice};
+use super::train::OptimizerChoice;
+use crate::device::DeviceChoice;
 
 /// Built-in profile the unmeasured fields come from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -147,7 +148,7 @@ impl Sizes {
                 disk_value: 64 << 20,
                 optimizer_params: 32 << 20,
             },
-            (DeviceChoice::Cpu, false) => Sizes {
+            (DeviceChoice::Cpu | DeviceChoice::Wgpu, false) => Sizes {
                 transfer_bytes: 256 << 20,
                 transfer_reps: 5,
                 gemm_n: 1024,
@@ -165,7 +166,7 @@ impl Sizes {
                 disk_value: 16 << 20,
                 optimizer_params: 4 << 20,
             },
-            (DeviceChoice::Cpu, true) => Sizes {
+            (DeviceChoice::Cpu | DeviceChoice::Wgpu, true) => Sizes {
                 transfer_bytes: 16 << 20,
                 transfer_reps: 3,
                 gemm_n: 256,
@@ -184,8 +185,8 @@ fn layer_config(device: DeviceChoice, quick: bool) -> Result<(ModelConfig, usize
     let (h, inter, heads, kv, seq) = match (device, quick) {
         (DeviceChoice::Cuda, false) => (3584, 18944, 28, 4, 2048),
         (DeviceChoice::Cuda, true) => (3584, 18944, 28, 4, 512),
-        (DeviceChoice::Cpu, false) => (512, 1536, 8, 2, 256),
-        (DeviceChoice::Cpu, true) => (128, 256, 2, 1, 32),
+        (DeviceChoice::Cpu | DeviceChoice::Wgpu, false) => (512, 1536, 8, 2, 256),
+        (DeviceChoice::Cpu | DeviceChoice::Wgpu, true) => (128, 256, 2, 1, 32),
     };
     let json = serde_json::json!({
         "model_type": "qwen2", "vocab_size": 256, "hidden_size": h, "intermediate_size": inter,
@@ -238,7 +239,7 @@ fn best(times: &[f64]) -> f64 {
 pub fn run(args: &ProfileArgs) -> Result<()> {
     let started = Instant::now();
     let base_arg = args.base.unwrap_or(match args.device {
-        DeviceChoice::Cpu => BaseArg::Cpu,
+        DeviceChoice::Cpu | DeviceChoice::Wgpu => BaseArg::Cpu,
         DeviceChoice::Cuda => BaseArg::H200,
     });
     let base = base_arg.builtin().profile();
@@ -263,10 +264,13 @@ pub fn run(args: &ProfileArgs) -> Result<()> {
         DeviceChoice::Cuda => {
             guarded(&|| measure_backend::<lt_model::CudaAutodiff>(args, &sizes, &Default::default(), "bf16", &say))?
         }
-        #[cfg(not(feature = "cuda"))]
-        DeviceChoice::Cuda => bail!(
-            "--device cuda: this `lt` was built without CUDA; rebuild with `cargo build --release --features cuda -p lt-cli`"
-        ),
+        #[cfg(feature = "wgpu")]
+        DeviceChoice::Wgpu => {
+            let device = crate::device::wgpu()?;
+            guarded(&|| measure_backend::<lt_model::WgpuAutodiff>(args, &sizes, &device, "f32", &say))?
+        }
+        #[allow(unreachable_patterns)]
+        d => return Err(crate::device::not_built(d)),
     };
     if !skip(Part::Disk) {
         let dir = args.spill_dir.clone().unwrap_or_else(std::env::temp_dir);
@@ -338,10 +342,7 @@ pub fn run(args: &ProfileArgs) -> Result<()> {
 }
 
 fn device_name(d: DeviceChoice) -> &'static str {
-    match d {
-        DeviceChoice::Cpu => "cpu",
-        DeviceChoice::Cuda => "cuda",
-    }
+    d.name()
 }
 
 /// Transfers, GEMM and the layer fit on backend `B`.
@@ -363,7 +364,7 @@ fn measure_backend<B: AutodiffBackend>(
                 m.transfer_source = Some("memcpy (the CPU executor's transfers are memory copies)".into());
                 say(format!("transfers (memcpy stand-in, {}): {gbs:.2} GB/s", ByteSize(sizes.transfer_bytes as u64)));
             }
-            DeviceChoice::Cuda => {
+            DeviceChoice::Cuda | DeviceChoice::Wgpu => {
                 let r = transfers::<B::InnerBackend>(device, sizes.transfer_bytes, sizes.transfer_reps)?;
                 m.h2d_gb_per_s = Some(r.h2d_executor);
                 m.d2h_gb_per_s = Some(r.d2h);
@@ -575,7 +576,7 @@ fn fit_efficiency(
     let base = args
         .base
         .unwrap_or(match args.device {
-            DeviceChoice::Cpu => BaseArg::Cpu,
+            DeviceChoice::Cpu | DeviceChoice::Wgpu => BaseArg::Cpu,
             DeviceChoice::Cuda => BaseArg::H200,
         })
         .builtin()
@@ -735,12 +736,12 @@ fn build_profile(
     if let Some(avail) = m.host_memory_available {
         let usable = match args.device {
             DeviceChoice::Cpu => avail.saturating_sub(p.gpu_memory.0).max(1 << 30),
-            DeviceChoice::Cuda => avail,
+            DeviceChoice::Cuda | DeviceChoice::Wgpu => avail,
         };
         p.host_memory = ByteSize(usable);
         let how = match args.device {
             DeviceChoice::Cpu => "MemAvailable less gpu_memory (the CPU executor's device budget is host memory)",
-            DeviceChoice::Cuda => "MemAvailable",
+            DeviceChoice::Cuda | DeviceChoice::Wgpu => "MemAvailable",
         };
         field("host_memory", usable.to_string(), format!("measured: {how} ({})", ByteSize(usable)));
     } else {
@@ -867,7 +868,7 @@ Gparam/s)",
     field("gpu_reserved", p.gpu_reserved.0.to_string(), format!("{from_base}: {}", p.gpu_reserved));
     field("gemm_half_efficiency_rows", format!("{:?}", p.gemm_half_efficiency_rows), from_base.clone());
     let dtype_bytes: u32 = match args.device {
-        DeviceChoice::Cpu => 4,
+        DeviceChoice::Cpu | DeviceChoice::Wgpu => 4,
         DeviceChoice::Cuda => 2,
     };
     p.compute_dtype_bytes = dtype_bytes;

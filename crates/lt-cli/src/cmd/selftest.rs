@@ -12,7 +12,7 @@
 //! - `cpu` vs `cpu`: the same kernels on the same data. Logits, loss and gradients must agree to
 //!   1e-6 (they are bit-identical in practice); streamed losses to 1e-5 relative, because plans that
 //!   recompute or accumulate change the f32 summation order.
-//! - `cuda-f32` (burn-cuda in f32): only summation order differs, so the bars of the transformers
+//! - `cuda-f32` (burn-cuda in f32) and `wgpu-f32` (burn-wgpu): only summation order differs, so the bars of the transformers
 //!   parity tests apply: logits and gradients 1e-3 relative to the tensor's largest entry, loss 1e-5,
 //!   streamed losses 1e-4 (the train-parity bar).
 //! - `cuda-bf16` (what `lt train --device cuda` runs): weights and activations are rounded to bf16
@@ -41,7 +41,7 @@ use lt_model::weights::DeviceModel;
 use lt_optim::{AdamWConfig, OptimizerKind};
 
 use super::bench_train::{Failure, catch_panics};
-use super::train::DeviceChoice;
+use crate::device::DeviceChoice;
 
 /// Arguments of `lt selftest`.
 #[derive(Debug, Clone, clap::Args)]
@@ -49,7 +49,8 @@ use super::train::DeviceChoice;
     after_help = "Examples:\n  lt selftest --device cuda\n  lt selftest --device cpu --json --fixtures tools/fixtures"
 )]
 pub struct SelftestArgs {
-    /// Backend under test; `cpu` compares ndarray with itself (proves the harness runs anywhere).
+    /// Backend under test: `cuda` (bf16, and f32 unless --no-f32), `wgpu` (f32), or `cpu`, which
+    /// compares ndarray with itself (proves the harness runs anywhere).
     #[arg(long, value_enum, default_value = "cpu")]
     pub device: DeviceChoice,
     /// The fixtures folder (holding `models/` and `train/`).
@@ -79,7 +80,7 @@ struct Tol {
 }
 
 const TOL_CPU: Tol = Tol { logits: 1e-6, loss: 1e-6, grads: 1e-6, train_loss: 1e-5 };
-#[cfg(feature = "cuda")]
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
 const TOL_F32: Tol = Tol { logits: 1e-3, loss: 1e-5, grads: 1e-3, train_loss: 1e-4 };
 #[cfg(feature = "cuda")]
 const TOL_BF16: Tol = Tol { logits: 5e-2, loss: 2e-2, grads: 1e-1, train_loss: 3e-2 };
@@ -301,6 +302,7 @@ fn policies(layers: usize) -> Vec<(&'static str, ExecPlan, usize)> {
         ("keep-all", ExecPlan::keep_all(layers), 1),
         ("recompute-all", ExecPlan::recompute_all(layers), 1),
         ("megatrain", ExecPlan::every(layers, 4, Placement::Device), 2),
+        ("all-host", ExecPlan::all_in(layers, Placement::Host), 2),
         ("all-nvme", ExecPlan::all_in(layers, Placement::Nvme), 2),
     ]
 }
@@ -388,6 +390,9 @@ pub fn run(args: &SelftestArgs) -> Result<()> {
         generic_model::<lt_model::CudaF32Autodiff>("cuda-f32", TOL_F32),
         generic_train::<lt_model::CudaF32Autodiff>(),
     );
+    #[cfg(feature = "wgpu")]
+    let (wgpu_model, wgpu_train) =
+        (generic_model::<lt_model::WgpuAutodiff>("wgpu-f32", TOL_F32), generic_train::<lt_model::WgpuAutodiff>());
     let backends: Vec<UnderTest<'_>> = match args.device {
         DeviceChoice::Cpu => vec![UnderTest { label: "cpu", tol: TOL_CPU, model: &cpu_model, train: &cpu_train }],
         #[cfg(feature = "cuda")]
@@ -405,10 +410,13 @@ pub fn run(args: &SelftestArgs) -> Result<()> {
             }
             v
         }
-        #[cfg(not(feature = "cuda"))]
-        DeviceChoice::Cuda => bail!(
-            "--device cuda: this `lt` was built without CUDA; rebuild with `cargo build --release --features cuda -p lt-cli`"
-        ),
+        #[cfg(feature = "wgpu")]
+        DeviceChoice::Wgpu => {
+            crate::device::wgpu()?;
+            vec![UnderTest { label: "wgpu-f32", tol: TOL_F32, model: &wgpu_model, train: &wgpu_train }]
+        }
+        #[allow(unreachable_patterns)]
+        d => return Err(crate::device::not_built(d)),
     };
     let spill_dir = std::env::temp_dir().join(format!("lt-selftest-spill-{}", std::process::id()));
     let started = std::time::Instant::now();
@@ -485,10 +493,7 @@ pub fn run(args: &SelftestArgs) -> Result<()> {
     let table = render(&checks, passed, started.elapsed().as_secs_f64());
     if args.json {
         eprint!("{table}");
-        let device = match args.device {
-            DeviceChoice::Cpu => "cpu",
-            DeviceChoice::Cuda => "cuda",
-        };
+        let device = args.device.name();
         println!("{}", serde_json::json!({"passed": passed, "device": device, "checks": checks}));
     } else {
         print!("{table}");

@@ -25,6 +25,8 @@ use lt_model::weights::DeviceModel;
 use lt_optim::{AdamWConfig, OptimizerKind};
 use lt_storage::checkpoint::{CheckpointStore, Retention, Verify};
 use lt_storage::export::ExportDtype;
+
+use crate::device::DeviceChoice;
 use serde::{Deserialize, Serialize};
 
 use crate::evaluate::{encoder_for, evaluate};
@@ -61,16 +63,6 @@ impl OptimizerChoice {
             OptimizerChoice::Adamw8bit => lt_sched::cost::OptimizerState::Blockwise8bit,
         }
     }
-}
-
-/// Compute device.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum DeviceChoice {
-    /// ndarray on the CPU; "GPU memory" is a budget the executor enforces.
-    Cpu,
-    /// burn-cuda (binary built with `--features cuda`).
-    Cuda,
 }
 
 /// Everything a run can be configured with; the TOML run file has the same keys.
@@ -463,10 +455,10 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         DeviceChoice::Cpu => run_on::<lt_model::CpuAutodiff>(&settings, Default::default()),
         #[cfg(feature = "cuda")]
         DeviceChoice::Cuda => run_on::<lt_model::CudaAutodiff>(&settings, Default::default()),
-        #[cfg(not(feature = "cuda"))]
-        DeviceChoice::Cuda => bail!(
-            "--device cuda: this `lt` was built without CUDA; rebuild with `cargo build --release --features cuda -p lt-cli`"
-        ),
+        #[cfg(feature = "wgpu")]
+        DeviceChoice::Wgpu => run_on::<lt_model::WgpuAutodiff>(&settings, crate::device::wgpu()?),
+        #[allow(unreachable_patterns)]
+        d => Err(crate::device::not_built(d)),
     }
 }
 

@@ -1,0 +1,50 @@
+//! `--device`: the compute backends a command can run on, and what is needed to reach each one.
+
+use clap::ValueEnum;
+use serde::{Deserialize, Serialize};
+
+/// Compute device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DeviceChoice {
+    /// ndarray on the CPU; "GPU memory" is a budget the executor enforces.
+    Cpu,
+    /// burn-cuda, bf16 (binary built with `--features cuda`).
+    Cuda,
+    /// burn-wgpu, f32: Vulkan, Metal or DX12 GPUs (AMD, Intel, Apple), or lavapipe on a CPU
+    /// (binary built with `--features wgpu`). Slower than CUDA; not yet measured on a GPU.
+    Wgpu,
+}
+
+impl DeviceChoice {
+    /// The name used on the command line and in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            DeviceChoice::Cpu => "cpu",
+            DeviceChoice::Cuda => "cuda",
+            DeviceChoice::Wgpu => "wgpu",
+        }
+    }
+
+    /// The float dtype the backend computes in.
+    pub fn dtype(self) -> &'static str {
+        match self {
+            DeviceChoice::Cpu | DeviceChoice::Wgpu => "f32",
+            DeviceChoice::Cuda => "bf16",
+        }
+    }
+}
+
+/// The error for a backend this binary was built without.
+pub fn not_built(device: DeviceChoice) -> anyhow::Error {
+    let d = device.name();
+    anyhow::anyhow!(
+        "--device {d}: this `lt` was built without {d}; rebuild with `cargo build --release --features {d} -p lt-cli`"
+    )
+}
+
+/// The wgpu device, its runtime initialised; one line saying how to get an adapter when there is none.
+#[cfg(feature = "wgpu")]
+pub fn wgpu() -> anyhow::Result<<lt_model::WgpuBackend as burn::tensor::backend::BackendTypes>::Device> {
+    lt_model::device::wgpu_device().map_err(|e| anyhow::anyhow!("--device wgpu: {e}"))
+}

@@ -1,0 +1,104 @@
+//! The `lt` binary on burn-wgpu (lavapipe in CI): the self-test, `lt train` against the CPU
+//! reference on every fixture family and policy, and `lt logits`. Run with
+//!
+//! ```sh
+//! cargo test -p lt-cli --features wgpu --test device_wgpu
+//! ```
+#![cfg(feature = "wgpu")]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tools/fixtures")
+}
+
+fn lt() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_lt"));
+    c.current_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join("../.."));
+    c
+}
+
+/// `lt selftest --device wgpu`: every check (logits, loss and gradients of every fixture, streamed
+/// training under every policy) passes, and there are checks for the wgpu backend at all.
+#[test]
+fn selftest_on_wgpu_passes_every_check() {
+    let out = lt().args(["selftest", "--device", "wgpu", "--json"]).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "selftest failed:\n{stderr}");
+    let last = String::from_utf8_lossy(&out.stdout).lines().last().unwrap_or_default().to_string();
+    let v: serde_json::Value = serde_json::from_str(&last).unwrap();
+    assert_eq!(v["passed"], true, "{stderr}");
+    let checks = v["checks"].as_array().unwrap();
+    let wgpu: Vec<_> = checks.iter().filter(|c| c["backend"] == "wgpu-f32").collect();
+    assert!(wgpu.len() >= 30, "only {} wgpu checks:\n{stderr}", wgpu.len());
+    assert!(wgpu.iter().all(|c| c["passed"] == true), "{stderr}");
+    assert!(wgpu.iter().any(|c| c["check"].as_str().unwrap().contains("train all-nvme")), "{stderr}");
+}
+
+fn losses(metrics: &Path) -> Vec<f64> {
+    std::fs::read_to_string(metrics)
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v.get("step").is_some())
+        .filter_map(|v| v.get("loss")?.as_f64())
+        .collect()
+}
+
+fn train(name: &str, policy: &str, device: &str, out: &Path) -> Vec<f64> {
+    let f = fixtures();
+    let model = f.join("models").join(name);
+    let data = f.join("train").join(name).join("train.jsonl");
+    let o = lt()
+        .args(["train", "--model", model.to_str().unwrap(), "--data", data.to_str().unwrap()])
+        .args(["--steps", "4", "--batch-size", "2", "--seq-len", "12", "--lr", "1e-3"])
+        .args(["--policy", policy, "--device", device, "--out", out.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{name}/{policy} on {device}:\n{}", String::from_utf8_lossy(&o.stderr));
+    losses(&out.join("metrics.jsonl"))
+}
+
+/// `lt train --device wgpu` follows `lt train --device cpu` on every family and policy: 4 steps,
+/// every step's loss within 1e-4 relative (the CPU train-parity bar).
+#[test]
+fn lt_train_on_wgpu_follows_the_cpu_for_every_family_and_policy() {
+    let dir = tempfile::tempdir().unwrap();
+    for name in ["qwen2-tied-gqa", "qwen2-untied-mqa", "qwen3-hd16-gqa", "qwen3-tied-mqa", "qwen35-hybrid"] {
+        for policy in ["keep-all", "recompute-all", "megatrain", "auto"] {
+            let cpu = train(name, policy, "cpu", &dir.path().join(format!("{name}-{policy}-cpu")));
+            let gpu = train(name, policy, "wgpu", &dir.path().join(format!("{name}-{policy}-wgpu")));
+            assert_eq!(cpu.len(), 4, "{name}/{policy}");
+            assert_eq!(gpu.len(), cpu.len(), "{name}/{policy}");
+            for (s, (g, c)) in gpu.iter().zip(&cpu).enumerate() {
+                let e = ((g - c) / c).abs();
+                assert!(e <= 1e-4, "{name}/{policy} step {}: wgpu {g} vs cpu {c} (rel {e:e})", s + 1);
+            }
+        }
+    }
+}
+
+/// `lt logits --device wgpu` reproduces transformers' logits (1e-4 max-abs, as on the CPU).
+#[test]
+fn lt_logits_on_wgpu_reproduce_transformers() {
+    let dir = tempfile::tempdir().unwrap();
+    for name in ["qwen2-untied-mqa", "qwen35-hybrid"] {
+        let m = fixtures().join("models").join(name);
+        let out = dir.path().join(format!("{name}.safetensors"));
+        let o = lt()
+            .args(["logits", "--device", "wgpu", "--model", m.to_str().unwrap()])
+            .args(["--tokens", m.join("tokens.jsonl").to_str().unwrap(), "--out", out.to_str().unwrap()])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let got = lt_storage::safetensors_io::SafetensorsModel::open(&out).unwrap().read_f32("logits").unwrap();
+        let want = lt_storage::safetensors_io::SafetensorsModel::open(&m.join("expected.safetensors"))
+            .unwrap()
+            .read_f32("logits")
+            .unwrap();
+        let d = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert!(d <= 1e-4, "{name}: logits max-abs {d}");
+    }
+}
