@@ -8,16 +8,26 @@
 # Steps, each under its own `timeout` and capped by the overall budget so one hang cannot eat it:
 #   1. lt selftest --device cuda --json      CUDA vs CPU parity on the tiny fixtures (tools/fixtures/)
 #   2. lt profile  --device cuda --json      writes $OUT/h200-measured.toml
-#   3. lt bench train, Qwen2.5-7B (random init), seq 1024, batch $BATCH, steps 3 + 1 warm-up, policy
-#      auto and then megatrain, on the measured profile if step 2 wrote one (else the built-in h200)
-#   4. $OUT/gpu_check.json: nvidia-smi, host facts, and per step the command, exit code, seconds,
-#      whether it timed out, the last stdout line (each lt command ends with one JSON line) and the
-#      tail of stderr. It is rewritten after every step, so a killed run still leaves what finished.
+#   3. lt bench train, Qwen2.5-7B (random init), seq 1024, batch $BATCH, steps 8 + 1 warm-up, policy
+#      auto and then megatrain, on the measured profile if step 2 wrote one (else the built-in h200);
+#      each run reports the device memory reserved and the process's RSS after every step
+#   4. lt bench train, one Qwen3.6-27B-sized hybrid pair (a linear-attention and a full-attention
+#      layer of the 27B's dimensions, configs/models/qwen3.6-27b-pair.json, whose vocabulary is cut to
+#      1024 so the two layers dominate) at batch 1 x seq 1024: one timed step
+#   5. $OUT/gpu_check.json: nvidia-smi, host facts, and per step the command, exit code, seconds,
+#      whether it timed out or was killed, the last stdout line (each lt command ends with one JSON
+#      line) and the tail of stderr. It is rewritten after every step, so a killed run still leaves
+#      what finished.
 # A failed step is recorded and the next one runs. Needs bash and coreutils only (no jq, no python).
-# If the selftest fails, it is run again with LT_PINNED_UPLOADS=0 and, when that passes, the later
-# steps run without pinned upload staging too (recorded as settings.pinned_uploads).
-# Knobs (environment): OUT, BATCH (8), SEQ (1024), STEPS (3), WARMUP (1), MODEL, FIXTURES, and the
-# limits in seconds BUDGET_S (480 in all), SELFTEST_S (90), PROFILE_S (100), BENCH_S (140 per policy).
+# Exit status 124, or 137 at the limit, is a timeout; 137 before the limit is a SIGKILL from outside,
+# most likely the kernel's out-of-memory killer ("killed" in the JSON). If the selftest really fails
+# (not a timeout, not a kill), it is run again with LT_PINNED_UPLOADS=0 and, when that passes, the
+# later steps run without pinned upload staging too (recorded as settings.pinned_uploads).
+# Knobs (environment): OUT, DEVICE (cuda; `wgpu` rehearses the script on any machine with a Vulkan
+# driver, lavapipe included, with a small MODEL), BATCH (8), SEQ (1024), STEPS (8), WARMUP (1),
+# MODEL, PAIR_MODEL, PAIR_SEQ (1024), FIXTURES, HW (the built-in profile when `lt profile` fails:
+# h200 on cuda, cpu on wgpu), and the limits in seconds BUDGET_S (540 in all), SELFTEST_S (90),
+# PROFILE_S (100), BENCH_S (150 per policy), PAIR_S (60).
 # Exit code: 0 when every step passed, 1 otherwise.
 
 set -u -o pipefail
@@ -25,17 +35,22 @@ set -u -o pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 LT=${1:-${LT_BIN:-./target/release/lt}}
 OUT=${OUT:-./gpu-check-out}
+DEVICE=${DEVICE:-cuda}
 BATCH=${BATCH:-8}
 SEQ=${SEQ:-1024}
-STEPS=${STEPS:-3}
+STEPS=${STEPS:-8}
 WARMUP=${WARMUP:-1}
 MODEL=${MODEL:-$ROOT/configs/models/qwen2.5-7b.json}
+PAIR_MODEL=${PAIR_MODEL:-$ROOT/configs/models/qwen3.6-27b-pair.json}
+PAIR_SEQ=${PAIR_SEQ:-1024}
 FIXTURES=${FIXTURES:-$ROOT/tools/fixtures}
+if [[ $DEVICE == cuda ]]; then HW=${HW:-h200}; else HW=${HW:-cpu}; fi
 # Seconds: the whole script, and each step at most (a step gets less when the budget runs short).
-BUDGET_S=${BUDGET_S:-480}
+BUDGET_S=${BUDGET_S:-540}
 SELFTEST_S=${SELFTEST_S:-90}
 PROFILE_S=${PROFILE_S:-100}
-BENCH_S=${BENCH_S:-140}
+BENCH_S=${BENCH_S:-150}
+PAIR_S=${PAIR_S:-60}
 
 mkdir -p "$OUT/logs" || { echo "gpu_check: cannot create $OUT" >&2; exit 1; }
 JSON="$OUT/gpu_check.json"
@@ -82,8 +97,8 @@ write_json() {
         printf '  "elapsed_seconds": %d,\n' "$((SECONDS - T0))"
         printf '  "lt": %s,\n' "$(json_str "$LT")"
         printf '  "lt_version": %s,\n' "$(json_str "$LT_VERSION")"
-        printf '  "settings": {"batch_size": %d, "seq_len": %d, "steps": %d, "warmup": %d, "model_config": %s, "budget_seconds": %d, "pinned_uploads": %s},\n' \
-            "$BATCH" "$SEQ" "$STEPS" "$WARMUP" "$(json_str "$MODEL")" "$BUDGET_S" "$(json_str "${PINNED:-on}")"
+        printf '  "settings": {"device": %s, "batch_size": %d, "seq_len": %d, "steps": %d, "warmup": %d, "model_config": %s, "pair_model_config": %s, "budget_seconds": %d, "pinned_uploads": %s},\n' \
+            "$(json_str "$DEVICE")" "$BATCH" "$SEQ" "$STEPS" "$WARMUP" "$(json_str "$MODEL")" "$(json_str "$PAIR_MODEL")" "$BUDGET_S" "$(json_str "${PINNED:-on}")"
         printf '  "host": {"nproc": %s, "mem_total_kib": %s, "kernel": %s},\n' \
             "$(nproc 2>/dev/null || echo null)" "${MEM_KIB:-null}" "$(json_str "$(uname -r)")"
         printf '  "nvidia_smi_rc": %d,\n' "$SMI_RC"
@@ -96,14 +111,16 @@ write_json() {
     } >"$JSON.tmp" && mv "$JSON.tmp" "$JSON"
 }
 
-# run_step NAME LIMIT_S CMD...: run under timeout, log stdout/stderr, record the step. Sets RC and
-# LAST (the step's last JSON line or null).
+# run_step NAME LIMIT_S CMD...: run under timeout, log stdout/stderr, record the step. Sets RC, LAST
+# (the step's last JSON line or null), TIMED_OUT and KILLED (true/false).
 run_step() {
     local name=$1 limit=$2
     shift 2
     local left=$((BUDGET_S - (SECONDS - T0)))
     [[ $limit -gt $left ]] && limit=$left
-    local out="$OUT/logs/$name.stdout" err="$OUT/logs/$name.stderr" t=$SECONDS timed_out=false
+    local out="$OUT/logs/$name.stdout" err="$OUT/logs/$name.stderr" t=$SECONDS
+    TIMED_OUT=false
+    KILLED=false
     if [[ $limit -lt 5 ]]; then
         echo "gpu_check: $name: skipped, the ${BUDGET_S} s budget is spent" >&2
         RC=-1
@@ -116,12 +133,20 @@ run_step() {
         RC=$?
         LAST=$(json_line "$out")
     fi
-    [[ $RC -eq 124 || $RC -eq 137 ]] && timed_out=true
-    local secs=$((SECONDS - t)) cmd
+    local secs=$((SECONDS - t)) cmd note=""
+    # timeout(1) exits 124 at the limit, or 137 when its follow-up KILL (-k) was needed; a 137 well
+    # before the limit is a SIGKILL from elsewhere: on these machines, the out-of-memory killer.
+    if [[ $RC -eq 124 ]] || [[ $RC -eq 137 && $secs -ge $limit ]]; then
+        TIMED_OUT=true
+        note=" (timed out)"
+    elif [[ $RC -eq 137 ]]; then
+        KILLED=true
+        note=" (killed by SIGKILL before the limit: likely out of memory)"
+    fi
     cmd=$(printf '%q ' "$@")
-    STEP_JSON+=("{\"name\": $(json_str "$name"), \"command\": $(json_str "${cmd% }"), \"exit_code\": $RC, \"seconds\": $secs, \"timed_out\": $timed_out, \"limit_seconds\": $limit, \"result\": $LAST, \"stderr_tail\": $(json_str "$(tail -n 25 "$err" 2>/dev/null)")}")
+    STEP_JSON+=("{\"name\": $(json_str "$name"), \"command\": $(json_str "${cmd% }"), \"exit_code\": $RC, \"seconds\": $secs, \"timed_out\": $TIMED_OUT, \"killed\": $KILLED, \"limit_seconds\": $limit, \"result\": $LAST, \"stderr_tail\": $(json_str "$(tail -n 25 "$err" 2>/dev/null)")}")
     [[ $RC -ne 0 ]] && FAILED=$((FAILED + 1))
-    echo "gpu_check: $name: exit $RC in ${secs} s$([[ $timed_out == true ]] && echo ' (timed out)')" >&2
+    echo "gpu_check: $name: exit $RC in ${secs} s$note" >&2
     write_json
 }
 
@@ -149,7 +174,7 @@ fi
 write_json
 
 # 1. Backend parity.
-run_step selftest "$SELFTEST_S" "$LT" selftest --device cuda --fixtures "$FIXTURES" --json
+run_step selftest "$SELFTEST_S" "$LT" selftest --device "$DEVICE" --fixtures "$FIXTURES" --json
 # Every check carries "passed" too, and the overall flag is false when any check is.
 SELFTEST="no result"
 if [[ $LAST == *'"passed":false'* ]]; then
@@ -158,12 +183,18 @@ elif [[ $LAST == *'"passed":true'* ]]; then
     SELFTEST="passed"
 fi
 
-# Pinned staging of uploads (LT_PINNED_UPLOADS) has not run on a GPU before: if the selftest failed,
+# Pinned staging of uploads (LT_PINNED_UPLOADS) has not run on a GPU before: if the selftest really
+# failed (a check failed or it errored; not a timeout, not a kill, which staging would not explain),
 # try it once without; if that passes, the remaining steps run without pinned staging too, so a
 # staging problem cannot cost the benchmark figures (the JSON says which way they were measured).
 PINNED=${LT_PINNED_UPLOADS:-on}
-if [[ $RC -ne 0 && $PINNED != 0 ]]; then
-    run_step selftest-unpinned "$SELFTEST_S" env LT_PINNED_UPLOADS=0 "$LT" selftest --device cuda \
+if [[ $TIMED_OUT == true ]]; then
+    SELFTEST="timed out (see $OUT/logs/selftest.stderr)"
+elif [[ $KILLED == true ]]; then
+    SELFTEST="killed, likely out of memory (see $OUT/logs/selftest.stderr)"
+fi
+if [[ $RC -ne 0 && $TIMED_OUT == false && $KILLED == false && $PINNED != 0 ]]; then
+    run_step selftest-unpinned "$SELFTEST_S" env LT_PINNED_UPLOADS=0 "$LT" selftest --device "$DEVICE" \
         --fixtures "$FIXTURES" --json
     if [[ $RC -eq 0 ]]; then
         export LT_PINNED_UPLOADS=0
@@ -173,17 +204,22 @@ if [[ $RC -ne 0 && $PINNED != 0 ]]; then
 fi
 
 # 2. Measure the machine.
-PROFILE="$OUT/h200-measured.toml"
-run_step profile "$PROFILE_S" "$LT" profile --device cuda --out "$PROFILE" --json
-if [[ $RC -eq 0 && -s $PROFILE ]]; then HARDWARE=$PROFILE; else HARDWARE=h200; fi
+PROFILE="$OUT/$DEVICE-measured.toml"
+run_step profile "$PROFILE_S" "$LT" profile --device "$DEVICE" --out "$PROFILE" --json
+if [[ $RC -eq 0 && -s $PROFILE ]]; then HARDWARE=$PROFILE; else HARDWARE=$HW; fi
 
 # 3. One streamed training benchmark, both policies in this run.
 for POLICY in auto megatrain; do
     run_step "bench-$POLICY" "$BENCH_S" "$LT" bench train --model-config "$MODEL" --batch-size "$BATCH" \
-        --seq-len "$SEQ" --policy "$POLICY" --steps "$STEPS" --warmup "$WARMUP" --device cuda \
+        --seq-len "$SEQ" --policy "$POLICY" --steps "$STEPS" --warmup "$WARMUP" --device "$DEVICE" \
         --hardware "$HARDWARE" --json
     declare "BENCH_${POLICY}=$LAST"
 done
+
+# 4. One hybrid pair of Qwen3.6-27B's size (linear attention + full attention), one timed step.
+run_step "hybrid-pair" "$PAIR_S" "$LT" bench train --model-config "$PAIR_MODEL" --batch-size 1 \
+    --seq-len "$PAIR_SEQ" --policy keep-all --steps 1 --warmup 1 --device "$DEVICE" --hardware "$HARDWARE" --json
+PAIR=$LAST
 
 # 4. Summary.
 TF_AUTO=$(json_num "${BENCH_auto:-}" tflops_6pt)
@@ -192,12 +228,16 @@ STEP_AUTO=$(json_num "${BENCH_auto:-}" step_seconds)
 STEP_MT=$(json_num "${BENCH_megatrain:-}" step_seconds)
 PRED_AUTO=$(json_num "${BENCH_auto:-}" predicted_step_seconds)
 PRED_MT=$(json_num "${BENCH_megatrain:-}" predicted_step_seconds)
+PAIR_STEP=$(json_num "${PAIR:-}" step_seconds)
+RESERVED2_AUTO=$(json_num "${BENCH_auto:-}" device_reserved_bytes_step2)
+RESERVED_LAST_AUTO=$(json_num "${BENCH_auto:-}" device_reserved_bytes_last)
+RSS_AUTO=$(json_num "${BENCH_auto:-}" peak_host_rss_bytes)
 RATIO=""
 if [[ -n $TF_AUTO && -n $TF_MT ]]; then
     RATIO=$(awk -v a="$TF_AUTO" -v b="$TF_MT" 'BEGIN { if (b > 0) printf "%.3f", a / b }')
 fi
 num_or_null() { if [[ -n $1 ]]; then printf '%s' "$1"; else printf 'null'; fi; }
-SUMMARY_JSON="{\"selftest\": $(json_str "$SELFTEST"), \"tflops_6pt_auto\": $(num_or_null "$TF_AUTO"), \"tflops_6pt_megatrain\": $(num_or_null "$TF_MT"), \"auto_over_megatrain_tflops\": $(num_or_null "$RATIO"), \"step_seconds_auto\": $(num_or_null "$STEP_AUTO"), \"step_seconds_megatrain\": $(num_or_null "$STEP_MT"), \"predicted_step_seconds_auto\": $(num_or_null "$PRED_AUTO"), \"predicted_step_seconds_megatrain\": $(num_or_null "$PRED_MT"), \"failed_steps\": $FAILED}"
+SUMMARY_JSON="{\"selftest\": $(json_str "$SELFTEST"), \"tflops_6pt_auto\": $(num_or_null "$TF_AUTO"), \"tflops_6pt_megatrain\": $(num_or_null "$TF_MT"), \"auto_over_megatrain_tflops\": $(num_or_null "$RATIO"), \"step_seconds_auto\": $(num_or_null "$STEP_AUTO"), \"step_seconds_megatrain\": $(num_or_null "$STEP_MT"), \"predicted_step_seconds_auto\": $(num_or_null "$PRED_AUTO"), \"predicted_step_seconds_megatrain\": $(num_or_null "$PRED_MT"), \"device_reserved_bytes_step2_auto\": $(num_or_null "$RESERVED2_AUTO"), \"device_reserved_bytes_last_auto\": $(num_or_null "$RESERVED_LAST_AUTO"), \"peak_host_rss_bytes_auto\": $(num_or_null "$RSS_AUTO"), \"hybrid_pair_step_seconds\": $(num_or_null "$PAIR_STEP"), \"failed_steps\": $FAILED}"
 write_json
 
 echo
@@ -215,4 +255,6 @@ echo "  selftest:   $SELFTEST"
 echo "  hardware:   ${HARDWARE:-none}"
 echo "  $(basename "$MODEL" .json) batch $BATCH x seq $SEQ: auto ${TF_AUTO:-?} TFLOPS (${STEP_AUTO:-?} s/step, predicted ${PRED_AUTO:-?}), megatrain ${TF_MT:-?} TFLOPS (${STEP_MT:-?} s/step, predicted ${PRED_MT:-?})"
 echo "  auto/megatrain TFLOPS ratio: ${RATIO:-n/a}"
+echo "  device reserved (auto): after step 2 ${RESERVED2_AUTO:-?} B, after the last ${RESERVED_LAST_AUTO:-?} B; peak RSS ${RSS_AUTO:-?} B"
+echo "  hybrid pair (27B-sized, batch 1 x seq $PAIR_SEQ): ${PAIR_STEP:-?} s/step"
 [[ $FAILED -eq 0 ]]
