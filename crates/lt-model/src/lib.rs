@@ -14,6 +14,7 @@
 //! assert_eq!(logits.dims(), [1, 3, host.config.vocab_size]);
 //! ```
 
+pub mod delta;
 pub mod error;
 pub mod generate;
 pub mod host;
@@ -23,6 +24,7 @@ pub mod ops;
 pub mod upload;
 pub mod weights;
 
+pub use delta::DeltaForm;
 pub use error::ModelError;
 
 /// The CPU backend (ndarray, f32).
