@@ -71,8 +71,9 @@ pub fn generate_greedy<B: Backend>(
 
     let mut out: Vec<Vec<u32>> = vec![Vec::new(); b];
     let mut done = vec![false; b];
-    let mut len = t;
     for step in 0..max_new_tokens {
+        // Tokens in the cache before this step's input.
+        let len = t + step;
         for r in 0..b {
             if !done[r] {
                 out[r].push(next[r]);
@@ -102,7 +103,6 @@ pub fn generate_greedy<B: Backend>(
             x = layer_forward_cached(cfg, w, x, &ctx, Some(c));
         }
         next = argmax_rows(head_logits(cfg, &model.head, x));
-        len += 1;
     }
     out
 }
