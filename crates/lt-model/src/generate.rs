@@ -9,6 +9,7 @@
 use burn::tensor::backend::Backend;
 use burn::tensor::{Bool, Tensor, TensorData};
 
+use crate::delta::DeltaForm;
 use crate::layer::{LayerCache, SeqCtx, layer_forward_cached};
 use crate::model::{embed, head_logits, to_vec};
 use crate::ops::Rope;
@@ -58,6 +59,7 @@ pub fn generate_greedy<B: Backend>(
         mask: Tensor::<B, 4, Bool>::from_data(TensorData::new(mask, [b, 1, t, t]), &device),
         packing: None,
         token_mask: Some(Tensor::from_data(TensorData::new(token_mask, [b, t, 1]), &device)),
+        delta_form: DeltaForm::Chunked,
     };
     let mut caches: Vec<LayerCache<B>> = (0..model.layers.len()).map(|_| LayerCache::default()).collect();
     let mut x = embed(&model.head, &ids);
@@ -69,8 +71,9 @@ pub fn generate_greedy<B: Backend>(
 
     let mut out: Vec<Vec<u32>> = vec![Vec::new(); b];
     let mut done = vec![false; b];
-    let mut len = t;
     for step in 0..max_new_tokens {
+        // Tokens in the cache before this step's input.
+        let len = t + step;
         for r in 0..b {
             if !done[r] {
                 out[r].push(next[r]);
@@ -91,6 +94,8 @@ pub fn generate_greedy<B: Backend>(
             mask: Tensor::<B, 4, Bool>::from_data(TensorData::new(mask, [b, 1, 1, len + 1]), &device),
             packing: None,
             token_mask: None,
+            // One token per step: `delta_net_forward` runs it recurrently whatever this says.
+            delta_form: DeltaForm::Recurrent,
         };
         let step_ids: Vec<Vec<u32>> = next.iter().map(|&v| vec![v]).collect();
         let mut x = embed(&model.head, &step_ids);
@@ -98,7 +103,6 @@ pub fn generate_greedy<B: Backend>(
             x = layer_forward_cached(cfg, w, x, &ctx, Some(c));
         }
         next = argmax_rows(head_logits(cfg, &model.head, x));
-        len += 1;
     }
     out
 }

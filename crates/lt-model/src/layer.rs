@@ -4,6 +4,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Bool, Tensor, TensorData};
 use lt_core::ModelConfig;
 
+use crate::delta::DeltaForm;
 use crate::ops::{self, Rope};
 use crate::weights::{AttnWeights, LayerWeights, LinearAttnWeights, Mixer, ParamMapper, ParamVisitor};
 
@@ -19,6 +20,9 @@ pub struct SeqCtx<B: Backend> {
     pub packing: Option<Packing<B>>,
     /// `[B, T, 1]`: 1 for real tokens, 0 for padding (batched generation with left padding).
     pub token_mask: Option<Tensor<B, 3>>,
+    /// Form of the gated delta rule in linear-attention layers ([`DeltaForm::Chunked`] unless set
+    /// with [`SeqCtx::with_delta_form`]). A one-token step is always recurrent: it is one update.
+    pub delta_form: DeltaForm,
 }
 
 /// Sequence boundaries inside packed rows.
@@ -39,7 +43,16 @@ impl<B: Backend> SeqCtx<B> {
             mask: ops::attention_mask(b, t, None, device),
             packing: None,
             token_mask: None,
+            delta_form: DeltaForm::default(),
         }
+    }
+
+    /// The same context with linear-attention layers computing the gated delta rule in `form`
+    /// (tests and benchmarks compare the forms; training and logits use the default, chunked).
+    #[must_use]
+    pub fn with_delta_form(mut self, form: DeltaForm) -> Self {
+        self.delta_form = form;
+        self
     }
 
     /// Context for packed rows: per-token positions (restarting at 0 per sequence) and segment ids
@@ -73,6 +86,7 @@ impl<B: Backend> SeqCtx<B> {
             mask: ops::attention_mask(b, t, Some(segments), device),
             packing: Some(Packing { keep: Tensor::from_data(TensorData::new(keep, [b, t]), device), lag_masks }),
             token_mask: None,
+            delta_form: DeltaForm::default(),
         }
     }
 }
@@ -92,6 +106,7 @@ impl<B: AutodiffBackend> SeqCtx<B> {
                 lag_masks: p.lag_masks.iter().map(|m| Tensor::from_inner(m.clone())).collect(),
             }),
             token_mask: inner.token_mask.as_ref().map(|m| Tensor::from_inner(m.clone())),
+            delta_form: inner.delta_form,
         }
     }
 }
@@ -244,7 +259,11 @@ fn delta_net_forward<B: Backend>(
     let q = ops::l2norm(expand(q), 1e-6) * (1.0 / (dk as f64).sqrt());
     let k = ops::l2norm(expand(k), 1e-6);
     let init = cache.as_deref_mut().and_then(|c| c.state.take());
-    let (o, state) = ops::gated_delta_rule_with_state(
+    // A one-token step (cached decoding) is a single state update: the recurrent form is exact and
+    // has nothing to batch, while a chunk would pad it to 64 tokens. Longer inputs (training,
+    // recompute, logits, a cached prefill continuing from `init`) use the context's form.
+    let form = if t == 1 { DeltaForm::Recurrent } else { ctx.delta_form };
+    let (o, state) = form.run(
         q.swap_dims(1, 2),
         k.swap_dims(1, 2),
         v.swap_dims(1, 2),

@@ -14,6 +14,7 @@
 //! assert_eq!(logits.dims(), [1, 3, host.config.vocab_size]);
 //! ```
 
+pub mod delta;
 pub mod device;
 pub mod error;
 pub mod generate;
@@ -24,6 +25,7 @@ pub mod ops;
 pub mod upload;
 pub mod weights;
 
+pub use delta::DeltaForm;
 pub use error::ModelError;
 
 /// The CPU backend (ndarray, f32).

@@ -209,6 +209,10 @@ pub fn l2norm<B: Backend, const D: usize>(x: Tensor<B, D>, eps: f64) -> Tensor<B
 
 /// The gated delta rule, recurrent form (exact; its backward is plain autodiff through the loop).
 ///
+/// One state update per token, so its backward is quadratic in `T` under autodiff. Layers use it
+/// for one-token decoding steps and when [`crate::delta::DeltaForm::Recurrent`] is selected; the
+/// chunked form [`crate::delta::gated_delta_rule_chunked`] computes the same function for training.
+///
 /// `q` and `k` must already be L2-normalised and `q` scaled by `1/sqrt(dk)`.
 ///
 /// With packed sequences, `keep` (`[B, T]`, 0 at the first token of each sequence, else 1) clears

@@ -1,5 +1,6 @@
 //! Cached, batched, left-padded greedy generation produces exactly the tokens of naive greedy
 //! decoding (a full forward over the whole sequence for every new token), for every family.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
 
 use std::path::Path;
 

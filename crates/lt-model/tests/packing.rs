@@ -1,6 +1,7 @@
 //! A packed row computes exactly what its sequences compute one by one: attention never crosses a
 //! sequence, positions restart, and the Gated DeltaNet resets its state and conv window.
 //! Tolerance 1e-5 max-abs on logits (same kernels; only matmul blocking differs).
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
 
 use std::path::Path;
 
