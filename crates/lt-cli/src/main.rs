@@ -3,6 +3,9 @@
 //! Each subcommand lives in `cmd/<name>.rs` as a clap `Args` struct plus a `run` function; this file
 //! only dispatches. Errors print as one line (`error: <file>: <problem>`) and exit non-zero.
 
+// `lt bench train`'s report is one `serde_json::json!` object with many keys.
+#![recursion_limit = "256"]
+
 use clap::{Parser, Subcommand};
 
 mod cmd;
