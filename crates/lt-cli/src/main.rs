@@ -15,6 +15,7 @@ mod fsutil;
 mod plot;
 mod progress;
 mod spill;
+mod timing;
 
 /// LazyTrain-rs: fine-tune Qwen models larger than your GPU by streaming layers from host memory.
 #[derive(Debug, Parser)]
@@ -52,6 +53,9 @@ enum BenchCommand {
     Spill(cmd::bench_spill::BenchSpillArgs),
     /// Streamed training throughput on a randomly initialised model (TFLOPS, tokens/s, memory).
     Train(Box<cmd::bench_train::BenchTrainArgs>),
+    /// One decoder layer's forward and backward with random weights (default: Qwen3.6-27B's
+    /// linear-attention layer at batch 1 x seq 1024), measured against the cost model's prediction.
+    Layer(cmd::bench_layer::BenchLayerArgs),
 }
 
 fn main() {
@@ -62,6 +66,7 @@ fn main() {
         Command::Logits(a) => cmd::logits::run(a),
         Command::Plan(a) => cmd::plan::run(a),
         Command::Bench(BenchCommand::Optimizer(a)) => cmd::bench_optimizer::run(a),
+        Command::Bench(BenchCommand::Layer(a)) => cmd::bench_layer::run(a),
         Command::Bench(BenchCommand::Spill(a)) => cmd::bench_spill::run(a),
         Command::Bench(BenchCommand::Train(a)) => cmd::bench_train::run(a),
         Command::Profile(a) => cmd::profile::run(a),

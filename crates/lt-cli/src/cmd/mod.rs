@@ -1,5 +1,6 @@
 //! One module per subcommand.
 
+pub mod bench_layer;
 pub mod bench_optimizer;
 pub mod bench_spill;
 pub mod bench_train;

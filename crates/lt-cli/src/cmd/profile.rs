@@ -33,15 +33,13 @@ use clap::ValueEnum;
 use lt_core::ByteSize;
 use lt_core::ModelConfig;
 use lt_core::hardware::{BuiltinProfile, HardwareProfile};
-use lt_model::host::HostModel;
-use lt_model::layer::{SeqCtx, layer_backward, layer_forward};
-use lt_model::weights::LayerWeights;
 use lt_optim::{AdamW, AdamWConfig, Grad, OptimizerKind, StepOutcome, ThreadPool};
 use lt_sched::cost::{CostOptions, ExecConfig, Instance};
 use lt_storage::spill::{SpillBuf, SpillConfig, SpillStore, Ticket};
 
 use super::train::OptimizerChoice;
 use crate::device::DeviceChoice;
+use crate::timing::{best, sync};
 
 /// Built-in profile the unmeasured fields come from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -229,10 +227,6 @@ struct Measured {
     optimizer_threads: Option<usize>,
     host_memory_available: Option<u64>,
     gpu_memory_total: Option<u64>,
-}
-
-fn best(times: &[f64]) -> f64 {
-    times.iter().copied().fold(f64::INFINITY, f64::min)
 }
 
 /// Run the command.
@@ -441,10 +435,6 @@ fn memcpy_gb_per_s(bytes: usize, reps: usize) -> f64 {
     bytes as f64 / best(&times) / 1e9
 }
 
-fn sync<B: Backend>(device: &B::Device) -> Result<()> {
-    B::sync(device).map_err(|e| anyhow::anyhow!("device synchronisation failed: {e:?}"))
-}
-
 /// Measured transfer rates, in GB/s of data in the device dtype.
 struct TransferRates {
     /// `Tensor::from_data` of native-dtype data in ordinary (pageable) host memory.
@@ -522,34 +512,8 @@ fn layer_seconds<B: AutodiffBackend>(
     seq: usize,
     device: &<B::InnerBackend as BackendTypes>::Device,
 ) -> Result<(f64, f64)> {
-    let host = HostModel::random_init(cfg.clone(), 7);
-    let layer = host.layers.first().context("the calibration config has no layer")?;
-    let w = LayerWeights::<B::InnerBackend>::from_host(layer, cfg.layer_types[0], device);
-    let ctx = SeqCtx::<B::InnerBackend>::causal(cfg, 1, seq, device);
-    let ctx_ad = SeqCtx::<B>::lift(&ctx);
-    let x: Tensor<B::InnerBackend, 3> =
-        Tensor::random([1, seq, cfg.hidden_size], Distribution::Normal(0.0, 1.0), device);
-    let g: Tensor<B::InnerBackend, 3> =
-        Tensor::random([1, seq, cfg.hidden_size], Distribution::Normal(0.0, 1e-3), device);
-    let (mut fwd, mut bwd) = (Vec::new(), Vec::new());
-    // The first round compiles kernels (NVRTC, autotune) and is not counted.
-    for round in 0..4 {
-        let t = Instant::now();
-        let y = layer_forward(cfg, &w, x.clone(), &ctx);
-        sync::<B::InnerBackend>(device)?;
-        let tf = t.elapsed().as_secs_f64();
-        drop(y);
-        let t = Instant::now();
-        let lg = layer_backward::<B>(cfg, 0, &w, x.clone(), g.clone(), &ctx_ad);
-        sync::<B::InnerBackend>(device)?;
-        let tb = t.elapsed().as_secs_f64();
-        drop(lg);
-        if round > 0 {
-            fwd.push(tf);
-            bwd.push(tb);
-        }
-    }
-    Ok((best(&fwd), best(&bwd)))
+    let t = crate::timing::layer_times::<B>(cfg, 0, 1, seq, lt_model::DeltaForm::Chunked, 1, 3, device)?;
+    Ok((best(&t.fwd), best(&t.bwd)))
 }
 
 /// The step shape the efficiency fit models: one sequence, no accumulation, the loss in one chunk.
