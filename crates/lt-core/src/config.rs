@@ -173,7 +173,33 @@ impl LinearAttnConfig {
     pub fn conv_dim(&self) -> usize {
         2 * self.key_dim() + self.value_dim()
     }
+
+    /// Elements, in the compute dtype, that the chunked gated delta rule's autodiff graph holds for
+    /// `b` sequences of `t` tokens from the end of its forward to its backward: per value head and per
+    /// token (padded to whole chunks of [`DELTA_CHUNK`]), `40 C + 8 (dk + dv) + 2 dk dv / C` (the
+    /// `C x C` decay, triangular-system and inverse tensors of every chunk, the `C x d` WY products,
+    /// and the chunk states). Fitted to what `lt-model`'s implementation allocates, measured with a
+    /// counting allocator (`crates/lt-model/tests/delta_memory.rs`, which keeps this formula at or
+    /// above the measurement and within 1.5x of it): 38 C + 8 (dk + dv) + 1.4 dk dv / C there.
+    pub fn chunked_rule_saved_elems(&self, b: usize, t: usize) -> f64 {
+        let c = DELTA_CHUNK as f64;
+        let (dk, dv) = (self.key_head_dim as f64, self.value_head_dim as f64);
+        let padded = t.div_ceil(DELTA_CHUNK) * DELTA_CHUNK;
+        let per = 40.0 * c + 8.0 * (dk + dv) + 2.0 * dk * dv / c;
+        (b * padded * self.num_value_heads) as f64 * per
+    }
+
+    /// Peak elements of the chunked rule's forward plus backward beyond its inputs: what
+    /// [`LinearAttnConfig::chunked_rule_saved_elems`] holds plus the backward's transients (measured:
+    /// 5-11% more).
+    pub fn chunked_rule_peak_elems(&self, b: usize, t: usize) -> f64 {
+        1.12 * self.chunked_rule_saved_elems(b, t)
+    }
 }
+
+/// Tokens per chunk of the gated delta rule's chunked form (`lt_model::delta::CHUNK`, as
+/// flash-linear-attention and transformers use).
+pub const DELTA_CHUNK: usize = 64;
 
 /// The validated configuration the code uses.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

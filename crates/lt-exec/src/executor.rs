@@ -333,8 +333,9 @@ pub fn spill_capacity<B: Backend>(plan: &ExecPlan, cfg: &ModelConfig, b: usize, 
 }
 
 /// Estimated extra device bytes one layer's forward+backward needs beyond its input and output
-/// (autodiff intermediates and the attention scores) with `elem`-byte floats. Kept deliberately
-/// simple and conservative.
+/// (autodiff intermediates, and the attention scores or the chunked delta rule's graph, whichever a
+/// layer of this model can need more of) with `elem`-byte floats. Kept deliberately simple and
+/// conservative.
 pub fn layer_working_bytes(cfg: &ModelConfig, b: usize, t: usize, elem: u64) -> u64 {
     let tok = (b * t) as u64;
     let h = cfg.hidden_size as u64;
@@ -344,7 +345,9 @@ pub fn layer_working_bytes(cfg: &ModelConfig, b: usize, t: usize, elem: u64) -> 
     let lin = cfg.linear.map_or(0, |l| (l.conv_dim() + 2 * l.value_dim()) as u64);
     let per_token = 8 * h + 4 * i + 2 * q + 2 * kv + 3 * lin;
     let scores = (b * cfg.num_heads * t * t) as u64 * 3;
-    elem * (tok * per_token + scores)
+    // The chunked gated delta rule's graph and backward (measured: `chunked_rule_peak_elems`).
+    let rule = cfg.linear.map_or(0.0, |l| l.chunked_rule_peak_elems(b, t)).ceil() as u64;
+    elem * (tok * per_token + scores.max(rule))
 }
 
 /// Bytes the head needs per loss chunk (logits, log-softmax and their gradient).

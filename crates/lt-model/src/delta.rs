@@ -41,7 +41,7 @@ use crate::ops;
 
 /// Tokens per chunk. A power of two (the triangular inverse doubles its block size up to it); 64 is
 /// what flash-linear-attention and transformers use, so parity needs no re-derivation.
-pub const CHUNK: usize = 64;
+pub const CHUNK: usize = lt_core::config::DELTA_CHUNK;
 
 /// Decay exponents below `-EXP_CUTOFF` count as a factor of 0: `e^-40` = 4e-18, below what f32
 /// resolves next to a term of size 1, and masking before `exp` keeps subnormals out of its output.

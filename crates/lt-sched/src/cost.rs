@@ -189,8 +189,8 @@ pub struct Instance {
     pub total_params: u64,
 }
 
-/// Chunk length of the chunked Gated DeltaNet algorithm (flash-linear-attention's default).
-const DELTA_CHUNK: f64 = 64.0;
+/// Chunk length of the chunked Gated DeltaNet algorithm (lt-model's, flash-linear-attention's).
+const DELTA_CHUNK: f64 = lt_core::config::DELTA_CHUNK as f64;
 
 /// Host bytes per parameter of the fp32 master weights. AdamW's m and v ([`OptimizerState`]), the pinned
 /// upload copy and the gradient landing buffer (one compute-dtype element each) come on top.
@@ -429,13 +429,20 @@ fn layer_shape(m: &ModelConfig, i: usize, b: f64, t: f64, d: f64, attention: Att
             let vd = nv * dv;
             let proj_flops = n * (2.0 * h * (conv_dim + vd + 2.0 * nv) + 2.0 * vd * h);
             let conv_flops = n * 2.0 * conv_dim * kernel;
-            // Chunked gated delta rule per token and value head: state read/update (4 dk dv) and the
-            // intra-chunk attention-like terms (2 C (dk + dv)).
-            let delta_flops = n * nv * (4.0 * dk * dv + 2.0 * DELTA_CHUNK * (dk + dv));
+            // The chunked gated delta rule as lt-model computes it, per (padded) token and value head:
+            // K K^T, Q K^T and the two WY products with the triangular inverse (2 C (3 dk + 2 dv)),
+            // the blocked inverse (log2(C) - 1 levels of two C x C matmuls: 20 C^2 for C = 64), and
+            // the state read, update and output against the chunk's state (6 dk dv).
+            let c = DELTA_CHUNK;
+            let padded = b * (t / c).ceil() * c;
+            let levels = c.log2() - 1.0;
+            let per = 2.0 * c * (3.0 * dk + 2.0 * dv) + 4.0 * levels * c * c + 6.0 * dk * dv;
+            let delta_flops = padded * nv * per;
             let fwd = proj_flops + conv_flops + delta_flops + mlp_flops;
             let bwd = 2.0 * fwd;
-            // fp32 recurrent state per chunk and value head, saved for backward.
-            let states = n * nv * dk * dv * 4.0 / DELTA_CHUNK;
+            // What the chunked rule's graph holds for backward (measured, see
+            // `LinearAttnConfig::chunked_rule_saved_elems`), in the compute dtype.
+            let rule = m.linear.map_or(0.0, |l| l.chunked_rule_saved_elems(b as usize, t as usize)) * d;
             // Saved: normed input, qkv before and after the conv, z, a and b, core output, gated-norm
             // output, residual sum, normed post-attention input, plus the MLP's three.
             let saved = 3.0 * h + 2.0 * conv_dim + 3.0 * vd + 2.0 * nv + mlp_saved;
@@ -443,8 +450,9 @@ fn layer_shape(m: &ModelConfig, i: usize, b: f64, t: f64, d: f64, attention: Att
             Shape {
                 fwd_flops: fwd,
                 bwd_flops: bwd,
-                saved_bytes: n * d * saved + states,
-                fwd_transient_bytes: n * d * fwd_transient + states,
+                saved_bytes: n * d * saved + rule,
+                // Without a graph the rule's intermediates die early; its saved set bounds them.
+                fwd_transient_bytes: n * d * fwd_transient + rule,
             }
         }
     }
