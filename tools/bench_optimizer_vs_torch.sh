@@ -22,7 +22,7 @@ STEPS=${STEPS:-10}
 WARMUP=${WARMUP:-3}
 
 cargo build --release -p lt-cli >&2
-LT=target/release/lt
+LT=${CARGO_TARGET_DIR:-target}/release/lt
 OUT=$(mktemp)
 trap 'rm -f "$OUT"' EXIT
 
