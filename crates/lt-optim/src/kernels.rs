@@ -4,10 +4,10 @@
 //! it does PyTorch's f32 operations in PyTorch's order with exact `sqrt` and division, so every
 //! version gives bit-identical results).
 //!
-//! The 8-bit kernel has a plain Rust reference ([`q8_block_scalar`]) and hand-written AVX-512 (with
-//! and without VBMI) and AVX2 versions, chosen at run time. Its arithmetic is bitsandbytes'
-//! algorithm arranged for throughput, because at 2 bytes of state per parameter the update is no
-//! longer memory-bound: per 16 elements, 512-bit vector code has two ALU ports to share between
+//! The 8-bit kernel has a plain Rust reference ([`q8_block_scalar`]) and hand-written AVX-512 and
+//! AVX2 versions, chosen at run time. Its arithmetic is bitsandbytes' algorithm
+//! arranged for throughput, because at 2 bytes of state per parameter the update is no longer
+//! memory-bound: per 16 elements, 512-bit vector code has two ALU ports to share between
 //! dequantization, the update, and finding each new code.
 //! - `beta1` / `beta2` are folded into the block's dequantization scale and the clip scale into the
 //!   gradient coefficients, so `m = fma(code_m, absmax_m * beta1, g * (scale * (1 - beta1)))` and
@@ -16,13 +16,40 @@
 //!   `p = fma(p, 1 - lr * wd, (m * (-lr / (1 - beta1^t))) / denom)`, with a true division (the
 //!   divider has room for it next to the square root: a reciprocal estimate measured no faster).
 //! - Re-quantization multiplies by the block's reciprocal absmax (the rule of [`crate::qmap`]), then
-//!   one table read and one integer compare per element find the exact nearest code of that value.
-//! - The VBMI kernel dequantizes with byte permutes instead of gathers, packs codes with byte
-//!   permutes, and software-pipelines: block `k - 1`'s re-quantization (which needs that block's
-//!   final absmax) is interleaved with block `k`'s update, so memory traffic stays uniform.
+//!   one table read and one integer compare per element find the exact nearest code of that value
+//!   (for the default maps with the bucket shifts as immediates).
+//! - Two AVX-512 kernels: the *gather* kernel (`x86::q8_blocks_avx512`) dequantizes with gathers
+//!   and re-quantizes each block after its update; the *permute* kernel
+//!   (`x86::q8_blocks_avx512_vbmi`, AVX-512 VBMI) dequantizes and packs codes with byte permutes
+//!   and software-pipelines: block `k - 1`'s re-quantization (which needs that block's final
+//!   absmax) is interleaved with block `k`'s update, so memory traffic stays uniform. Which one is
+//!   faster depends on the core (below): permutes on AMD, gathers elsewhere
+//!   (`crate::simd::q8_permute_dequant`, `LT_OPTIM_Q8_DEQUANT=gather|permute` to override).
 //! - Every SIMD kernel prefetches parameters, gradients and codes 512 elements ahead
 //!   (`x86::PREFETCH_AHEAD`): with the quantization work filling the out-of-order window, the
 //!   hardware prefetchers alone left the update waiting on memory at DRAM sizes.
+//!
+//! # Why the 8-bit kernels are slower on Intel cores, measured
+//! Intel Xeon (family 6 model 207, AVX-512 with VBMI and BF16; 2 vCPUs under KVM at about
+//! 2.9 GHz; the machine shared with other builds, so figures are CPU cycles of the updating
+//! threads per 16 parameters, medians of interleaved runs, bf16 gradients, blocks of 256):
+//! - Instruction throughput, in cycles: `vpgatherdd` zmm from L1 8-12, and gathers do not overlap
+//!   with vector ALU work (a gather plus 8/16/24 FMAs took 13/17/23); `vpermi2b` zmm 2.0 (three
+//!   uops; `vpermb` 1.0); `vdivps` zmm 10 and `vsqrtps` zmm 12, on the divider.
+//! - Kernels, 1 thread, data in L2 / 64M parameters: permute kernel 64-70 / 62-72, gather kernel
+//!   58-62 / 60-63 (55 / 57 with the immediate shifts), AVX2 72 / 76, scalar about 1070. With 2
+//!   threads at 64M: 63-73 (gather) against 81-83 (permute) per thread.
+//! - Where the gather kernel's 58 cycles go (in L2): re-quantization 27 (two 16-lane gathers
+//!   into the 11 and 23 KB tables plus about 20 vector uops), dequantization gathers 6, division
+//!   and square root 3 (they overlap with the gathers: alone, the update is divider-bound at 22).
+//!   Prefetching: 256 to 2048 elements ahead within 1%, none 4% slower; not the cause.
+//! - Cause: four 256+-entry table lookups per parameter (two to dequantize, two to re-quantize).
+//!   On AMD Zen 4 `vpermi2b` is one uop, so the permute kernel's byte-plane dequantization is
+//!   cheap; on this core it costs more than the gathers it replaces. Every exact lookup method
+//!   measured costs about the same per 16 lookups here (gathers; four-plane `vpermi2b`; a
+//!   computed nearest code per map segment with an exact fallback, prototyped at 25 against 27
+//!   cycles for both moments), so the kernel stays compute-bound at about 3.5 cycles/parameter,
+//!   short of the 14 bytes/parameter memory bound.
 //!
 //! Every SIMD kernel does the reference's f32 operations in the reference's order, so parameters,
 //! codes and absmax are bit-identical on every path (tested on random data and on edge cases: every
@@ -100,6 +127,30 @@ impl Coeffs {
 const TASK: usize = 1 << 15;
 /// Below this many elements a tensor is updated on the calling thread only.
 const PAR_MIN: usize = 1 << 16;
+
+/// Which kernels run: the SIMD level, and for AVX-512 how the 8-bit kernel dequantizes.
+/// [`KernelPath::detect`] picks the fastest for this CPU once; the tests run every path the CPU
+/// supports, and all of them give the same bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct KernelPath {
+    pub level: SimdLevel,
+    /// AVX-512: byte-permute dequantization (the VBMI kernel) instead of gathers.
+    pub permute: bool,
+}
+
+impl KernelPath {
+    /// The path for this process: [`simd_level`] and `crate::simd::q8_permute_dequant`.
+    pub(crate) fn detect() -> KernelPath {
+        let level = simd_level();
+        KernelPath { level, permute: level == SimdLevel::Avx512 && crate::simd::q8_permute_dequant() }
+    }
+
+    /// The plain path of a level (gathers).
+    #[cfg(test)]
+    pub(crate) fn plain(level: SimdLevel) -> KernelPath {
+        KernelPath { level, permute: false }
+    }
+}
 
 // ------------------------------------------------------------------------------------------------
 // fp32 AdamW: torch.optim.AdamW's single-tensor path, operation for operation:
@@ -244,18 +295,19 @@ pub(crate) struct Q8Slices<'a> {
 }
 
 /// Updates a run of consecutive blocks (the last may be short) on the calling thread.
-fn q8_run<G: GradElem>(p: &mut [f32], g: &[G], mut s: Q8Slices<'_>, c: &Coeffs, level: SimdLevel) {
-    match level {
+fn q8_run<G: GradElem>(p: &mut [f32], g: &[G], mut s: Q8Slices<'_>, c: &Coeffs, path: KernelPath) {
+    match path.level {
         #[cfg(target_arch = "x86_64")]
         SimdLevel::Avx512 => {
             let b = s.block;
             let full = p.len() / b;
             let n = full * b;
-            // SAFETY: AVX-512F/DQ are present (`level` comes from `simd_level`); every slice covers
-            // `full` whole blocks of `b` elements, `b` is a multiple of 16 and at most MAX_BLOCK
-            // (validated by `Quant8Config::validate` before any state exists).
+            // SAFETY: AVX-512F/DQ/BW are present (`path.level` comes from `simd_level`), and VBMI
+            // for the permute kernel (`KernelPath::detect`); every slice covers `full` whole blocks
+            // of `b` elements, `b` is a multiple of 16 (of 64 for the permute kernel) and at most
+            // MAX_BLOCK (validated by `Quant8Config::validate` before any state exists).
             unsafe {
-                let kernel = if b.is_multiple_of(64) && crate::simd::has_vbmi() {
+                let kernel = if path.permute && b.is_multiple_of(64) {
                     x86::q8_blocks_avx512_vbmi::<G>
                 } else {
                     x86::q8_blocks_avx512::<G>
@@ -304,7 +356,7 @@ fn q8_run<G: GradElem>(p: &mut [f32], g: &[G], mut s: Q8Slices<'_>, c: &Coeffs, 
 }
 
 /// Updates one tensor with 8-bit state. Lengths must be consistent (checked by the caller).
-pub(crate) fn update_q8(p: &mut [f32], g: Grad<'_>, s: Q8Slices<'_>, c: &Coeffs, pool: &ThreadPool, level: SimdLevel) {
+pub(crate) fn update_q8(p: &mut [f32], g: Grad<'_>, s: Q8Slices<'_>, c: &Coeffs, pool: &ThreadPool, path: KernelPath) {
     let (b, maps) = (s.block, s.maps);
     let bpt = (TASK / b).max(1);
     let te = bpt * b;
@@ -320,8 +372,8 @@ pub(crate) fn update_q8(p: &mut [f32], g: Grad<'_>, s: Q8Slices<'_>, c: &Coeffs,
     let work = |(i, ((((p, qm), qv), am), av)): Task<'_>| {
         let s = Q8Slices { qm, qv, am, av, block: b, maps };
         match g.slice(i * te, p.len()) {
-            Grad::F32(g) => q8_run(p, g, s, c, level),
-            Grad::Bf16(g) => q8_run(p, g, s, c, level),
+            Grad::F32(g) => q8_run(p, g, s, c, path),
+            Grad::Bf16(g) => q8_run(p, g, s, c, path),
         }
     };
     if n < PAR_MIN || pool.threads() == 1 {
@@ -388,14 +440,17 @@ mod x86 {
     /// Codes (low byte of each i32 lane) of 16 normalised values in [-1, 1]; the lane-parallel form
     /// of `QuantMap::quantize` for tables in the unit-step format (`QuantMap::lut_params`).
     /// `SIGNED = false` assumes the sign bits are clear (the second moment is never negative).
+    /// `SH` and `UP` are the table's bucket shift and `32 - shift` when known at compile time (the
+    /// default maps, see `quantize_pair`), which saves the second uop of each shift by a register
+    /// count; `SH = 0` reads both from `t`.
     #[inline]
     #[target_feature(enable = "avx512f,avx512dq")]
-    fn lookup<const SIGNED: bool>(q: __m512, t: &LutKernel) -> __m512i {
+    fn lookup<const SIGNED: bool, const SH: u32, const UP: u32>(q: __m512, t: &LutKernel) -> __m512i {
         // |q| clamped to [lo, 1.0]: `vrangeps` (max of magnitudes, sign cleared) does the absolute
         // value and the lower clamp in one instruction; the integer `min` bounds the index even for
         // a NaN lane (whose bits exceed 1.0's), which the callers never pass.
         let key = _mm512_min_epu32(_mm512_castps_si512(_mm512_range_ps::<0b1011>(q, t.lo)), t.one);
-        let mut bucket = _mm512_srl_epi32(key, t.shift);
+        let mut bucket = if SH == 0 { _mm512_srl_epi32(key, t.shift) } else { _mm512_srli_epi32::<SH>(key) };
         let neg = if SIGNED { _mm512_movepi32_mask(_mm512_castps_si512(q)) } else { 0 };
         if SIGNED {
             bucket = _mm512_mask_add_epi32(bucket, neg, bucket, t.buckets);
@@ -403,7 +458,8 @@ mod x86 {
         // SAFETY: `key` is in [lo, 1.0], so `bucket - lo_key` < buckets (+ buckets on the negative
         // side) <= lut.len(), and `t.base` points `lo_key` entries before the table (`LutKernel`).
         let e = unsafe { _mm512_i32gather_epi32::<4>(bucket, t.base) };
-        let hit = _mm512_cmpgt_epu32_mask(_mm512_sll_epi32(key, t.up), e);
+        let off = if SH == 0 { _mm512_sll_epi32(key, t.up) } else { _mm512_slli_epi32::<UP>(key) };
+        let hit = _mm512_cmpgt_epu32_mask(off, e);
         let dir = if SIGNED { _mm512_mask_blend_epi32(neg, t.plus1, t.minus1) } else { t.plus1 };
         _mm512_mask_add_epi32(e, hit, e, dir)
     }
@@ -459,7 +515,7 @@ mod x86 {
             // SAFETY: j + 16 <= n <= x.len(), and 16 bytes fit in out[j..].
             unsafe {
                 let q = _mm512_mul_ps(_mm512_loadu_ps(x.as_ptr().add(j)), r);
-                let idx = lookup::<SIGNED>(q, &t);
+                let idx = lookup::<SIGNED, 0, 0>(q, &t);
                 _mm_storeu_si128(out.as_mut_ptr().add(j) as *mut __m128i, _mm512_cvtepi32_epi8(idx));
             }
             j += 16;
@@ -470,7 +526,7 @@ mod x86 {
     /// independent gathers in flight per iteration), falling back to the separate calls when either
     /// absmax is outside the fast range or a map lacks the SIMD table.
     #[inline]
-    #[target_feature(enable = "avx512f,avx512dq")]
+    #[target_feature(enable = "avx512f,avx512dq,avx512bw")]
     #[allow(clippy::too_many_arguments)]
     fn quantize_pair(
         xm: &[f32],
@@ -493,14 +549,38 @@ mod x86 {
             quantize_block::<false>(xv, av, qv, um);
             return;
         }
+        let (sh_m, sh_v) = (ts.shift, tu.shift);
         let (ts, tu) = (LutKernel::new(&ts), LutKernel::new(&tu));
         let (r_m, r_v) = (_mm512_set1_ps(1.0 / am), _mm512_set1_ps(1.0 / av));
+        if (sh_m, sh_v) == (17, 16) {
+            quantize_pair_loop::<17, 15, 16, 16>(xm, qm, &ts, r_m, xv, qv, &tu, r_v);
+        } else {
+            quantize_pair_loop::<0, 0, 0, 0>(xm, qm, &ts, r_m, xv, qv, &tu, r_v);
+        }
+    }
+
+    /// The loop of `quantize_pair` (lengths checked there), with the bucket shifts of both tables
+    /// as constants when they are the default maps' (see `lookup`).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512dq")]
+    #[allow(clippy::too_many_arguments)]
+    fn quantize_pair_loop<const SM: u32, const UM: u32, const SV: u32, const UV: u32>(
+        xm: &[f32],
+        qm: &mut [u8],
+        ts: &LutKernel,
+        r_m: __m512,
+        xv: &[f32],
+        qv: &mut [u8],
+        tu: &LutKernel,
+        r_v: __m512,
+    ) {
+        let n = qm.len();
         let mut j = 0;
         while j + 16 <= n {
             // SAFETY: j + 16 <= n <= xm.len(), xv.len(); 16 bytes fit in qm[j..] and qv[j..].
             unsafe {
-                let im = lookup::<true>(_mm512_mul_ps(_mm512_loadu_ps(xm.as_ptr().add(j)), r_m), &ts);
-                let iv = lookup::<false>(_mm512_mul_ps(_mm512_loadu_ps(xv.as_ptr().add(j)), r_v), &tu);
+                let im = lookup::<true, SM, UM>(_mm512_mul_ps(_mm512_loadu_ps(xm.as_ptr().add(j)), r_m), ts);
+                let iv = lookup::<false, SV, UV>(_mm512_mul_ps(_mm512_loadu_ps(xv.as_ptr().add(j)), r_v), tu);
                 _mm_storeu_si128(qm.as_mut_ptr().add(j) as *mut __m128i, _mm512_cvtepi32_epi8(im));
                 _mm_storeu_si128(qv.as_mut_ptr().add(j) as *mut __m128i, _mm512_cvtepi32_epi8(iv));
             }
@@ -512,10 +592,10 @@ mod x86 {
     /// (see the module docs for the arithmetic).
     ///
     /// # Safety
-    /// AVX-512F and AVX-512DQ must be available. `block` must be a multiple of 16 and at most
+    /// AVX-512F, DQ and BW must be available. `block` must be a multiple of 16 and at most
     /// `MAX_BLOCK`, and `p`, `g`, `qm`, `qv` must all have exactly `am.len() * block` elements, `av`
     /// as many as `am`.
-    #[target_feature(enable = "avx512f,avx512dq")]
+    #[target_feature(enable = "avx512f,avx512dq,avx512bw")]
     #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn q8_blocks_avx512<G: GradElem>(
         p: &mut [f32],
@@ -715,7 +795,7 @@ mod x86 {
     /// update then pays compute time plus memory time. Interleaved, memory demand is uniform.
     ///
     /// # Safety
-    /// As `q8_blocks_avx512`, plus AVX-512 BW and VBMI, and `block` a multiple of 64.
+    /// As `q8_blocks_avx512`, plus AVX-512 VBMI, and `block` a multiple of 64.
     #[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vbmi")]
     #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn q8_blocks_avx512_vbmi<G: GradElem>(
@@ -847,8 +927,8 @@ mod x86 {
         for s in 0..4 {
             // SAFETY: j + 16 * s + 16 <= block floats of the slot (caller).
             unsafe {
-                cm[s] = lookup::<true>(_mm512_mul_ps(_mm512_loadu_ps(xm.add(16 * s)), q.rm), &l.0);
-                cv[s] = lookup::<false>(_mm512_mul_ps(_mm512_loadu_ps(xv.add(16 * s)), q.rv), &l.1);
+                cm[s] = lookup::<true, 0, 0>(_mm512_mul_ps(_mm512_loadu_ps(xm.add(16 * s)), q.rm), &l.0);
+                cv[s] = lookup::<false, 0, 0>(_mm512_mul_ps(_mm512_loadu_ps(xv.add(16 * s)), q.rv), &l.1);
             }
         }
         // SAFETY: q.base + j + 64 <= q.base + block, within both code slices (caller).
@@ -1060,17 +1140,27 @@ mod tests {
         (qm, qv, am, av)
     }
 
-    /// The SIMD levels this CPU can run, widest first.
-    fn levels() -> Vec<SimdLevel> {
-        [SimdLevel::Avx512, SimdLevel::Avx2].into_iter().filter(|&l| l <= simd_level()).collect()
+    /// The SIMD paths this CPU can run: AVX-512 with gathers and with byte permutes (VBMI), and
+    /// AVX2.
+    fn paths() -> Vec<KernelPath> {
+        let mut v = Vec::new();
+        if simd_level() >= SimdLevel::Avx512 {
+            for permute in [false, true].into_iter().filter(|&p| !p || crate::simd::has_vbmi()) {
+                v.push(KernelPath { level: SimdLevel::Avx512, permute });
+            }
+        }
+        if simd_level() >= SimdLevel::Avx2 {
+            v.push(KernelPath::plain(SimdLevel::Avx2));
+        }
+        v
     }
 
     /// Parameters, m codes, v codes, m absmax, v absmax.
     type Q8State = (Vec<f32>, Vec<u8>, Vec<u8>, Vec<f32>, Vec<f32>);
 
-    /// Runs `update_q8` at `level` on copies of the given state.
+    /// Runs `update_q8` on `path` on copies of the given state.
     fn run_q8(
-        level: SimdLevel,
+        path: KernelPath,
         block: usize,
         maps: QuantMaps,
         grad: Grad<'_>,
@@ -1080,7 +1170,7 @@ mod tests {
     ) -> Q8State {
         let (mut p, mut qm, mut qv, mut am, mut av) = state.clone();
         let s = Q8Slices { qm: &mut qm, qv: &mut qv, am: &mut am, av: &mut av, block, maps };
-        update_q8(&mut p, grad, s, c, pool, level);
+        update_q8(&mut p, grad, s, c, pool, path);
         (p, qm, qv, am, av)
     }
 
@@ -1125,10 +1215,10 @@ mod tests {
                     (Grad::Bf16(&gb), QuantMaps::default()),
                     (Grad::F32(&gf), crate::qmap::tests::bnb_cpu_maps()),
                 ] {
-                    let want = run_q8(SimdLevel::Scalar, block, maps, grad, &c, &pool, &state);
-                    for level in levels() {
-                        let got = run_q8(level, block, maps, grad, &c, &pool, &state);
-                        assert_same(&got, &want, &format!("{} block {block} step {step}", level.name()));
+                    let want = run_q8(KernelPath::plain(SimdLevel::Scalar), block, maps, grad, &c, &pool, &state);
+                    for path in paths() {
+                        let got = run_q8(path, block, maps, grad, &c, &pool, &state);
+                        assert_same(&got, &want, &format!("{path:?} block {block} step {step}"));
                     }
                 }
             }
@@ -1201,15 +1291,15 @@ mod tests {
             for c in [Coeffs::new(&cfg, 1, 1.0), coeffs(3, 0.5)] {
                 for grad in [Grad::F32(&g), Grad::Bf16(&gb)] {
                     let maps = QuantMaps::default();
-                    let want = run_q8(SimdLevel::Scalar, block, maps, grad, &c, &pool, &state);
+                    let want = run_q8(KernelPath::plain(SimdLevel::Scalar), block, maps, grad, &c, &pool, &state);
                     if c.beta1 == 0.0 && matches!(grad, Grad::F32(_)) {
                         // The first block's absmax is its leading +absmax: the probes really are
                         // the normalised moments.
                         assert_eq!(want.3[0], g[0]);
                     }
-                    for level in levels() {
-                        let got = run_q8(level, block, maps, grad, &c, &pool, &state);
-                        assert_same(&got, &want, &format!("{} block {block}", level.name()));
+                    for path in paths() {
+                        let got = run_q8(path, block, maps, grad, &c, &pool, &state);
+                        assert_same(&got, &want, &format!("{path:?} block {block}"));
                     }
                 }
             }

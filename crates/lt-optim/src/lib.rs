@@ -10,7 +10,8 @@
 //!   tensors under 4096 elements keep fp32 state. Codes are the exact nearest map entry (the rule
 //!   bitsandbytes specifies; its CPU kernel deviates near zero, documented in [`qmap`]), found by
 //!   one table read per element instead of a binary search. AVX-512 and AVX2 kernels (chosen at
-//!   run time) give results bit-identical to the portable one (see `kernels`).
+//!   run time; [`q8_kernel_name`] says which) give results bit-identical to the portable one (see
+//!   `kernels`).
 //! - Fast clipping: [`grad`] returns each layer's sum of squares while converting or accumulating its
 //!   gradients, [`GradNorm`] adds them, and the clip scale is applied inside the update kernel.
 //! - [`AdamW::save`] / [`AdamW::load`]: versioned, checksummed checkpoints.
@@ -64,4 +65,4 @@ pub use half::bf16;
 pub use optimizer::{AdamW, ParamGroup, StepCtx, StepOutcome, TensorState};
 pub use pool::ThreadPool;
 pub use qmap::QuantMap;
-pub use simd::{SimdLevel, simd_level};
+pub use simd::{SimdLevel, q8_kernel_name, simd_level};

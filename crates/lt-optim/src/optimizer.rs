@@ -12,10 +12,9 @@
 use crate::config::{AdamWConfig, OptimizerKind, Quant8Config};
 use crate::error::{OptimError, Result};
 use crate::grad::Grad;
-use crate::kernels::{Coeffs, Q8Slices, update_fp32, update_q8};
+use crate::kernels::{Coeffs, KernelPath, Q8Slices, update_fp32, update_q8};
 use crate::pool::ThreadPool;
 use crate::qmap::QuantMaps;
-use crate::simd::simd_level;
 
 /// The step number and clip scale shared by all groups in one optimizer step.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -251,6 +250,12 @@ impl ParamGroup {
     }
 }
 
+/// The kernels for this process, detected once.
+fn kernel_path() -> KernelPath {
+    static PATH: std::sync::OnceLock<KernelPath> = std::sync::OnceLock::new();
+    *PATH.get_or_init(KernelPath::detect)
+}
+
 impl TensorState {
     fn zeros(name: &str, numel: usize, kind: OptimizerKind, maps: QuantMaps) -> TensorState {
         let moments = match kind {
@@ -360,7 +365,7 @@ impl TensorState {
                     block: q.block,
                     maps: q.maps,
                 };
-                update_q8(param, grad, s, &ctx.coeffs, pool, simd_level());
+                update_q8(param, grad, s, &ctx.coeffs, pool, kernel_path());
             }
         }
         self.last_step = ctx.step;
