@@ -14,6 +14,9 @@
 //!   `kernels`).
 //! - Fast clipping: [`grad`] returns each layer's sum of squares while converting or accumulating its
 //!   gradients, [`GradNorm`] adds them, and the clip scale is applied inside the update kernel.
+//! - The upload copy: [`ParamGroup::update_with_copy`] also writes each updated weight as bf16
+//!   (`half::bf16::from_f32`, bit for bit) in the same pass, so streaming uploads need no
+//!   conversion pass; [`fill_bf16`] makes the first copy on the pool's threads.
 //! - [`AdamW::save`] / [`AdamW::load`]: versioned, checksummed checkpoints.
 //!
 //! ```
@@ -45,6 +48,7 @@
 
 mod checkpoint;
 mod config;
+mod copy;
 mod error;
 pub mod grad;
 mod kernels;
@@ -58,6 +62,7 @@ mod testutil;
 
 pub use checkpoint::{FORMAT_VERSION, MAGIC};
 pub use config::{AdamWConfig, OptimizerKind, Quant8Config};
+pub use copy::fill_bf16;
 pub use error::{OptimError, Result};
 pub use grad::{Grad, GradNorm};
 /// The bf16 type of [`Grad::Bf16`] (re-exported so callers need not depend on `half`).

@@ -104,6 +104,21 @@ fn cpu_vendor() -> [u8; 12] {
     }
 }
 
+/// Whether the CPU has AVX512-BF16 (`vcvtneps2bf16`), used for the bf16 copy of the parameters.
+pub(crate) fn has_avx512bf16() -> bool {
+    static BF16: OnceLock<bool> = OnceLock::new();
+    *BF16.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            std::arch::is_x86_feature_detected!("avx512bf16")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
+}
+
 /// Whether the CPU has AVX-512 VBMI + BW (byte permutes), used to dequantize without gathers.
 pub(crate) fn has_vbmi() -> bool {
     static VBMI: OnceLock<bool> = OnceLock::new();
