@@ -1,6 +1,8 @@
 //! Host optimizer update throughput: `adamw` (fp32 state) and `adamw8bit` (block-wise 8-bit state),
 //! each with f32 and bf16 gradients, one step = `begin_step` + one group update with clipping on,
-//! plus the fused bf16 -> f32 gradient copy with its sum of squares (the "fast clipping" pass).
+//! plus the fused bf16 -> f32 gradient copy with its sum of squares (the "fast clipping" pass), and
+//! the 8-bit update with bf16 gradients that also writes the bf16 upload copy of the weights
+//! (`update_with_copy`).
 //!
 //! Run: `cargo bench -p benches --bench optimizer`
 //! (`LT_OPTIM_BENCH_PARAMS` parameters, default 16777216; `LT_OPTIM_BENCH_THREADS` threads, default 2).
@@ -85,6 +87,24 @@ fn bench_update(c: &mut Criterion) {
             });
         }
     }
+    let mut copy = vec![bf16::ZERO; n];
+    let mut opt = optimizer(OptimizerKind::adamw8bit(), n);
+    g.bench_function(BenchmarkId::new("adamw8bit+bf16copy", format!("bf16/{n}/{threads}t")), |b| {
+        b.iter(|| {
+            let StepOutcome::Apply(ctx) = opt.begin_step(3.0) else { panic!("finite norm skipped") };
+            let r = opt.groups_mut()[0].update_with_copy(
+                &mut [&mut s.params],
+                &mut [&mut copy],
+                &[Grad::Bf16(&s.g16)],
+                &ctx,
+                &s.pool,
+            );
+            if let Err(e) = r {
+                panic!("{e}");
+            }
+            black_box(&copy);
+        })
+    });
     g.finish();
 
     let mut g = c.benchmark_group("grad_copy_sumsq");
@@ -113,7 +133,10 @@ fn bench_update(c: &mut Criterion) {
         t.sort_by(f64::total_cmp);
         t[3]
     };
-    eprintln!("\nsame-run step times, {n} params, {threads} threads (median of 7):");
+    eprintln!(
+        "\nsame-run step times, {n} params, {threads} threads, 8-bit kernel {} (median of 7):",
+        lt_optim::q8_kernel_name()
+    );
     for dtype in ["f32", "bf16"] {
         let grad = if dtype == "f32" { Grad::F32(&s.g32) } else { Grad::Bf16(&s.g16) };
         let fp32 = median_step(OptimizerKind::AdamW, grad, &mut s.params, &s.pool);

@@ -4,10 +4,10 @@
 //! it does PyTorch's f32 operations in PyTorch's order with exact `sqrt` and division, so every
 //! version gives bit-identical results).
 //!
-//! The 8-bit kernel has a plain Rust reference ([`q8_block_scalar`]) and hand-written AVX-512 (with
-//! and without VBMI) and AVX2 versions, chosen at run time. Its arithmetic is bitsandbytes'
-//! algorithm arranged for throughput, because at 2 bytes of state per parameter the update is no
-//! longer memory-bound: per 16 elements, 512-bit vector code has two ALU ports to share between
+//! The 8-bit kernel has a plain Rust reference ([`q8_block_scalar`]) and hand-written AVX-512 and
+//! AVX2 versions, chosen at run time ([`KernelPath`]). Its arithmetic is bitsandbytes' algorithm
+//! arranged for throughput, because at 2 bytes of state per parameter the update is no longer
+//! memory-bound: per 16 elements, 512-bit vector code has two ALU ports to share between
 //! dequantization, the update, and finding each new code.
 //! - `beta1` / `beta2` are folded into the block's dequantization scale and the clip scale into the
 //!   gradient coefficients, so `m = fma(code_m, absmax_m * beta1, g * (scale * (1 - beta1)))` and
@@ -16,13 +16,47 @@
 //!   `p = fma(p, 1 - lr * wd, (m * (-lr / (1 - beta1^t))) / denom)`, with a true division (the
 //!   divider has room for it next to the square root: a reciprocal estimate measured no faster).
 //! - Re-quantization multiplies by the block's reciprocal absmax (the rule of [`crate::qmap`]), then
-//!   one table read and one integer compare per element find the exact nearest code of that value.
-//! - The VBMI kernel dequantizes with byte permutes instead of gathers, packs codes with byte
-//!   permutes, and software-pipelines: block `k - 1`'s re-quantization (which needs that block's
-//!   final absmax) is interleaved with block `k`'s update, so memory traffic stays uniform.
+//!   one table read and one integer compare per element find the exact nearest code of that value
+//!   (for the default maps with the bucket shifts as immediates).
+//! - Two AVX-512 kernels: the *gather* kernel (`x86::q8_blocks_avx512`) dequantizes with gathers
+//!   and re-quantizes each block after its update; the *permute* kernel
+//!   (`x86::q8_blocks_avx512_vbmi`, AVX-512 VBMI) dequantizes and packs codes with byte permutes
+//!   and software-pipelines: block `k - 1`'s re-quantization (which needs that block's final
+//!   absmax) is interleaved with block `k`'s update, so memory traffic stays uniform. Which one is
+//!   faster depends on the core (below): permutes on AMD, gathers elsewhere
+//!   (`crate::simd::q8_permute_dequant`, `LT_OPTIM_Q8_DEQUANT=gather|permute` to override).
 //! - Every SIMD kernel prefetches parameters, gradients and codes 512 elements ahead
 //!   (`x86::PREFETCH_AHEAD`): with the quantization work filling the out-of-order window, the
 //!   hardware prefetchers alone left the update waiting on memory at DRAM sizes.
+//! - Optionally every kernel also writes the bf16 copy of each updated parameter (the copy that
+//!   streaming uploads, see `crate::copy`) from the register it just stored: integer
+//!   round-to-nearest-even, or `vcvtneps2bf16` where the CPU has AVX512-BF16 (it reads subnormal
+//!   inputs as zero, so a group of 16 holding one takes the integer rounding). The copy's lines
+//!   are prefetched for writing, since nothing ever reads them first.
+//!
+//! # Why the 8-bit kernels are slower on Intel cores, measured
+//! Intel Xeon (family 6 model 207, AVX-512 with VBMI and BF16; 2 vCPUs under KVM at about
+//! 2.9 GHz; the machine shared with other builds, so figures are CPU cycles of the updating
+//! threads per 16 parameters, medians of interleaved runs, bf16 gradients, blocks of 256):
+//! - Instruction throughput, in cycles: `vpgatherdd` zmm from L1 8-12, and gathers do not overlap
+//!   with vector ALU work (a gather plus 8/16/24 FMAs took 13/17/23); `vpermi2b` zmm 2.0 (three
+//!   uops; `vpermb` 1.0); `vdivps` zmm 10 and `vsqrtps` zmm 12, on the divider.
+//! - Kernels, 1 thread, data in L2 / 64M parameters: permute kernel 64-70 / 62-72, gather kernel
+//!   58-62 / 60-63 (55 / 57 with the immediate shifts), AVX2 72 / 76, scalar about 1070. With 2
+//!   threads at 64M: 63-73 (gather) against 81-83 (permute) per thread.
+//! - Where the gather kernel's 58 cycles go (in L2): re-quantization 27 (two 16-lane gathers
+//!   into the 11 and 23 KB tables plus about 20 vector uops), dequantization gathers 6, division
+//!   and square root 3 (they overlap with the gathers: alone, the update is divider-bound at 22).
+//!   Prefetching: 256 to 2048 elements ahead within 1%, none 4% slower; not the cause.
+//! - Cause: four 256+-entry table lookups per parameter (two to dequantize, two to re-quantize).
+//!   On AMD Zen 4 `vpermi2b` is one uop, so the permute kernel's byte-plane dequantization is
+//!   cheap; on this core it costs more than the gathers it replaces. Every exact lookup method
+//!   measured costs about the same per 16 lookups here (gathers; four-plane `vpermi2b`; a
+//!   computed nearest code per map segment with an exact fallback, prototyped at 25 against 27
+//!   cycles for both moments), so the kernel stays compute-bound at about 3.5 cycles/parameter,
+//!   short of the 14 bytes/parameter memory bound.
+//! - The bf16 copy adds about 7% in L2 and 8% at 64M (11% before the copy's lines were
+//!   prefetched; streaming stores were slower).
 //!
 //! Every SIMD kernel does the reference's f32 operations in the reference's order, so parameters,
 //! codes and absmax are bit-identical on every path (tested on random data and on edge cases: every
@@ -34,7 +68,10 @@
 //! The clip scale is folded in everywhere: the kernels read the raw gradient once, as
 //! `clip_grad_norm_` followed by `step()` would, without the extra pass over the gradient.
 
+use half::bf16;
+
 use crate::config::{AdamWConfig, MAX_BLOCK};
+use crate::copy::bf16_rne;
 use crate::grad::{Grad, GradElem};
 use crate::pool::{ThreadPool, run_tasks};
 use crate::qmap::{QuantMaps, block_absmax};
@@ -99,7 +136,62 @@ impl Coeffs {
 /// Elements per parallel task (rounded to whole blocks for the 8-bit kernel).
 const TASK: usize = 1 << 15;
 /// Below this many elements a tensor is updated on the calling thread only.
-const PAR_MIN: usize = 1 << 16;
+pub(crate) const PAR_MIN: usize = 1 << 16;
+
+/// Which kernels run: the SIMD level, and for AVX-512 how the 8-bit kernel dequantizes and how the
+/// bf16 copy is converted. [`KernelPath::detect`] picks the fastest for this CPU once; the tests run
+/// every path the CPU supports, and all of them give the same bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct KernelPath {
+    pub level: SimdLevel,
+    /// AVX-512: byte-permute dequantization (the VBMI kernel) instead of gathers.
+    pub permute: bool,
+    /// AVX-512: the bf16 copy with `vcvtneps2bf16` (AVX512-BF16) instead of integer rounding.
+    pub bf16_hw: bool,
+}
+
+impl KernelPath {
+    /// The path for this process: [`simd_level`], `crate::simd::q8_permute_dequant` and
+    /// AVX512-BF16 detection.
+    pub(crate) fn detect() -> KernelPath {
+        let level = simd_level();
+        let avx512 = level == SimdLevel::Avx512;
+        KernelPath {
+            level,
+            permute: avx512 && crate::simd::q8_permute_dequant(),
+            bf16_hw: avx512 && crate::simd::has_avx512bf16(),
+        }
+    }
+
+    /// The plain path of a level (gathers, integer bf16 rounding).
+    #[cfg(test)]
+    pub(crate) fn plain(level: SimdLevel) -> KernelPath {
+        KernelPath { level, permute: false, bf16_hw: false }
+    }
+}
+
+/// How a SIMD kernel writes the bf16 copy of the updated parameters (a const parameter, so that
+/// the update without a copy pays nothing for it).
+pub(crate) const NO_COPY: u8 = 0;
+/// Integer round-to-nearest-even (every AVX2 / AVX-512 CPU).
+pub(crate) const COPY_INT: u8 = 1;
+/// `vcvtneps2bf16` (AVX512-BF16), with the integer rounding for blocks of 16 holding a subnormal.
+pub(crate) const COPY_HW: u8 = 2;
+
+/// The copy mode of a path for an optional copy.
+fn copy_mode(path: KernelPath, copy: bool) -> u8 {
+    match (copy, path.bf16_hw) {
+        (false, _) => NO_COPY,
+        (true, false) => COPY_INT,
+        (true, true) => COPY_HW,
+    }
+}
+
+/// Splits an optional bf16 copy like its parameters (`size` elements per task); without a copy,
+/// every task gets an empty slice.
+fn copy_chunks(cp: Option<&mut [bf16]>, size: usize) -> impl Iterator<Item = &mut [bf16]> + Send {
+    cp.into_iter().flat_map(move |c| c.chunks_mut(size)).chain(std::iter::repeat_with(<&mut [bf16]>::default))
+}
 
 // ------------------------------------------------------------------------------------------------
 // fp32 AdamW: torch.optim.AdamW's single-tensor path, operation for operation:
@@ -110,54 +202,94 @@ const PAR_MIN: usize = 1 << 16;
 // ------------------------------------------------------------------------------------------------
 
 #[inline(always)]
-fn fp32_body<G: GradElem, const SMALL: bool>(p: &mut [f32], g: &[G], m: &mut [f32], v: &mut [f32], c: &Coeffs) {
-    for (((p, g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
-        let g = g.to_f32() * c.scale;
-        let pd = *p * c.decay;
-        // torch's scalar-weight lerp: `self + w * (end - self)` for |w| < 0.5, else
-        // `end - (end - self) * (1 - w)`.
-        let m1 = if SMALL { *m + c.lerp_w * (g - *m) } else { g - (g - *m) * c.lerp_1mw };
-        let v1 = *v * c.beta2 + c.omb2 * g * g;
-        let denom = v1.sqrt() / c.bc2_sqrt + c.eps;
-        *p = pd + c.neg_step * m1 / denom;
-        *m = m1;
-        *v = v1;
+fn fp32_elem<G: GradElem, const SMALL: bool>(p: &mut f32, g: G, m: &mut f32, v: &mut f32, c: &Coeffs) {
+    let g = g.to_f32() * c.scale;
+    let pd = *p * c.decay;
+    // torch's scalar-weight lerp: `self + w * (end - self)` for |w| < 0.5, else
+    // `end - (end - self) * (1 - w)`.
+    let m1 = if SMALL { *m + c.lerp_w * (g - *m) } else { g - (g - *m) * c.lerp_1mw };
+    let v1 = *v * c.beta2 + c.omb2 * g * g;
+    let denom = v1.sqrt() / c.bc2_sqrt + c.eps;
+    *p = pd + c.neg_step * m1 / denom;
+    *m = m1;
+    *v = v1;
+}
+
+/// The fp32 update of a chunk; with `COPY`, also `cp[i] = bf16(p[i])` in the same pass (branch-free
+/// rounding, so the loop still vectorizes).
+#[inline(always)]
+fn fp32_body<G: GradElem, const SMALL: bool, const COPY: bool>(
+    p: &mut [f32],
+    g: &[G],
+    m: &mut [f32],
+    v: &mut [f32],
+    cp: &mut [bf16],
+    c: &Coeffs,
+) {
+    if COPY {
+        let it = p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()).zip(cp.iter_mut());
+        for ((((p, g), m), v), cp) in it {
+            fp32_elem::<G, SMALL>(p, *g, m, v, c);
+            *cp = bf16_rne(*p);
+        }
+    } else {
+        for (((p, g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+            fp32_elem::<G, SMALL>(p, *g, m, v, c);
+        }
     }
 }
 
+/// `cp` is either empty (no copy) or as long as `p`.
 #[inline(always)]
-fn fp32_generic<G: GradElem>(p: &mut [f32], g: &[G], m: &mut [f32], v: &mut [f32], c: &Coeffs) {
-    if c.lerp_small { fp32_body::<G, true>(p, g, m, v, c) } else { fp32_body::<G, false>(p, g, m, v, c) }
+fn fp32_generic<G: GradElem>(p: &mut [f32], g: &[G], m: &mut [f32], v: &mut [f32], cp: &mut [bf16], c: &Coeffs) {
+    match (c.lerp_small, cp.is_empty()) {
+        (true, true) => fp32_body::<G, true, false>(p, g, m, v, cp, c),
+        (true, false) => fp32_body::<G, true, true>(p, g, m, v, cp, c),
+        (false, true) => fp32_body::<G, false, false>(p, g, m, v, cp, c),
+        (false, false) => fp32_body::<G, false, true>(p, g, m, v, cp, c),
+    }
 }
 
+/// One chunk of the fp32 update; `cp` is empty (no copy) or as long as `p`.
 pub(crate) fn fp32_chunk<G: GradElem>(
     p: &mut [f32],
     g: &[G],
     m: &mut [f32],
     v: &mut [f32],
+    cp: &mut [bf16],
     c: &Coeffs,
     level: SimdLevel,
 ) {
     match level {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: callers pass `simd_level()`, which reports AVX-512F only when the CPU has it.
-        SimdLevel::Avx512 => unsafe { x86::fp32_avx512(p, g, m, v, c) },
+        SimdLevel::Avx512 => unsafe { x86::fp32_avx512(p, g, m, v, cp, c) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above, for AVX2 + FMA.
-        SimdLevel::Avx2 => unsafe { x86::fp32_avx2(p, g, m, v, c) },
-        _ => fp32_generic(p, g, m, v, c),
+        SimdLevel::Avx2 => unsafe { x86::fp32_avx2(p, g, m, v, cp, c) },
+        _ => fp32_generic(p, g, m, v, cp, c),
     }
 }
 
-/// Updates one tensor with fp32 state. Lengths must be equal (checked by the caller).
-pub(crate) fn update_fp32(p: &mut [f32], g: Grad<'_>, m: &mut [f32], v: &mut [f32], c: &Coeffs, pool: &ThreadPool) {
+/// Updates one tensor with fp32 state, and writes its bf16 copy when `cp` is given. Lengths must be
+/// equal (checked by the caller).
+pub(crate) fn update_fp32(
+    p: &mut [f32],
+    g: Grad<'_>,
+    m: &mut [f32],
+    v: &mut [f32],
+    cp: Option<&mut [bf16]>,
+    c: &Coeffs,
+    pool: &ThreadPool,
+) {
     let level = simd_level();
     let n = p.len();
-    let tasks = p.chunks_mut(TASK).zip(m.chunks_mut(TASK)).zip(v.chunks_mut(TASK)).enumerate();
-    type Task<'t> = (usize, ((&'t mut [f32], &'t mut [f32]), &'t mut [f32]));
-    let work = |(i, ((p, m), v)): Task<'_>| match g.slice(i * TASK, p.len()) {
-        Grad::F32(g) => fp32_chunk(p, g, m, v, c, level),
-        Grad::Bf16(g) => fp32_chunk(p, g, m, v, c, level),
+    let tasks =
+        p.chunks_mut(TASK).zip(m.chunks_mut(TASK)).zip(v.chunks_mut(TASK)).zip(copy_chunks(cp, TASK)).enumerate();
+    type Task<'t> = (usize, (((&'t mut [f32], &'t mut [f32]), &'t mut [f32]), &'t mut [bf16]));
+    let work = |(i, (((p, m), v), cp)): Task<'_>| match g.slice(i * TASK, p.len()) {
+        Grad::F32(g) => fp32_chunk(p, g, m, v, cp, c, level),
+        Grad::Bf16(g) => fp32_chunk(p, g, m, v, cp, c, level),
     };
     if n < PAR_MIN || pool.threads() == 1 {
         tasks.for_each(work);
@@ -174,11 +306,13 @@ pub(crate) fn update_fp32(p: &mut [f32], g: Grad<'_>, m: &mut [f32], v: &mut [f3
 // ------------------------------------------------------------------------------------------------
 
 /// One 8-bit block, plain Rust: the reference for the SIMD kernel (see the module docs).
-/// `tm`/`tv` are scratch of at least the block's length.
+/// `tm`/`tv` are scratch of at least the block's length. `cp` is empty (no copy) or as long as `p`:
+/// then it receives `half::bf16::from_f32` of every updated parameter.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn q8_block_scalar<G: GradElem>(
     p: &mut [f32],
+    cp: &mut [bf16],
     g: &[G],
     qm: &mut [u8],
     qv: &mut [u8],
@@ -203,23 +337,36 @@ pub(crate) fn q8_block_scalar<G: GradElem>(
         tm[i] = m1;
         tv[i] = v1;
     }
+    for (d, &x) in cp.iter_mut().zip(p.iter()) {
+        *d = bf16::from_f32(x);
+    }
     *am = block_absmax(tm);
     *av = block_absmax(tv);
     sm.quantize_block_with(tm, *am, qm);
     um.quantize_block_with(tv, *av, qv);
 }
 
-/// Blocks `done..` of a run with the scalar reference (`p.len()` need not be a whole block).
+/// Blocks `done..` of a run with the scalar reference (`p.len()` need not be a whole block); `cp`
+/// is empty (no copy) or as long as `p`.
 #[inline(always)]
-fn q8_scalar_blocks<G: GradElem>(p: &mut [f32], g: &[G], s: &mut Q8Slices<'_>, c: &Coeffs, done: usize) {
+fn q8_scalar_blocks<G: GradElem>(
+    p: &mut [f32],
+    cp: &mut [bf16],
+    g: &[G],
+    s: &mut Q8Slices<'_>,
+    c: &Coeffs,
+    done: usize,
+) {
     let b = s.block;
     let mut tm = [0f32; MAX_BLOCK];
     let mut tv = [0f32; MAX_BLOCK];
     for k in done..s.am.len() {
         let lo = k * b;
         let hi = (lo + b).min(p.len());
+        let cpb = if cp.is_empty() { &mut [][..] } else { &mut cp[lo..hi] };
         q8_block_scalar(
             &mut p[lo..hi],
+            cpb,
             &g[lo..hi],
             &mut s.qm[lo..hi],
             &mut s.qv[lo..hi],
@@ -243,25 +390,46 @@ pub(crate) struct Q8Slices<'a> {
     pub maps: QuantMaps,
 }
 
-/// Updates a run of consecutive blocks (the last may be short) on the calling thread.
-fn q8_run<G: GradElem>(p: &mut [f32], g: &[G], mut s: Q8Slices<'_>, c: &Coeffs, level: SimdLevel) {
-    match level {
+/// Updates a run of consecutive blocks (the last may be short) on the calling thread; `cp` is
+/// empty (no copy) or as long as `p`.
+fn q8_run<G: GradElem>(p: &mut [f32], cp: &mut [bf16], g: &[G], mut s: Q8Slices<'_>, c: &Coeffs, path: KernelPath) {
+    let copy = copy_mode(path, !cp.is_empty());
+    match path.level {
         #[cfg(target_arch = "x86_64")]
         SimdLevel::Avx512 => {
             let b = s.block;
             let full = p.len() / b;
             let n = full * b;
-            // SAFETY: AVX-512F/DQ are present (`level` comes from `simd_level`); every slice covers
-            // `full` whole blocks of `b` elements, `b` is a multiple of 16 and at most MAX_BLOCK
+            type Kernel<G> = unsafe fn(
+                &mut [f32],
+                &mut [bf16],
+                &[G],
+                &mut [u8],
+                &mut [u8],
+                &mut [f32],
+                &mut [f32],
+                usize,
+                &Coeffs,
+                QuantMaps,
+            );
+            let kernel: Kernel<G> = match (path.permute && b.is_multiple_of(64), copy) {
+                (true, NO_COPY) => x86::q8_blocks_avx512_vbmi::<G, NO_COPY>,
+                (true, COPY_INT) => x86::q8_blocks_avx512_vbmi::<G, COPY_INT>,
+                (true, _) => x86::q8_blocks_avx512_vbmi::<G, COPY_HW>,
+                (false, NO_COPY) => x86::q8_blocks_avx512::<G, NO_COPY>,
+                (false, COPY_INT) => x86::q8_blocks_avx512::<G, COPY_INT>,
+                (false, _) => x86::q8_blocks_avx512::<G, COPY_HW>,
+            };
+            let cpn = if cp.is_empty() { &mut [][..] } else { &mut cp[..n] };
+            // SAFETY: AVX-512F/DQ/BW are present (`path.level` comes from `simd_level`), and VBMI
+            // for the permute kernel and AVX512-BF16 for COPY_HW (`KernelPath::detect`); every
+            // slice covers `full` whole blocks of `b` elements (the copy too, when there is one),
+            // `b` is a multiple of 16 (of 64 for the permute kernel) and at most MAX_BLOCK
             // (validated by `Quant8Config::validate` before any state exists).
             unsafe {
-                let kernel = if b.is_multiple_of(64) && crate::simd::has_vbmi() {
-                    x86::q8_blocks_avx512_vbmi::<G>
-                } else {
-                    x86::q8_blocks_avx512::<G>
-                };
                 kernel(
                     &mut p[..n],
+                    cpn,
                     &g[..n],
                     &mut s.qm[..n],
                     &mut s.qv[..n],
@@ -272,7 +440,7 @@ fn q8_run<G: GradElem>(p: &mut [f32], g: &[G], mut s: Q8Slices<'_>, c: &Coeffs, 
                     s.maps,
                 );
                 // The short last block, if any; the scalar body compiled with FMA.
-                x86::q8_scalar_avx512(p, g, &mut s, c, full);
+                x86::q8_scalar_avx512(p, cp, g, &mut s, c, full);
             }
         }
         #[cfg(target_arch = "x86_64")]
@@ -280,12 +448,16 @@ fn q8_run<G: GradElem>(p: &mut [f32], g: &[G], mut s: Q8Slices<'_>, c: &Coeffs, 
             let b = s.block;
             let full = p.len() / b;
             let n = full * b;
+            let kernel = if copy == NO_COPY { x86::q8_blocks_avx2::<G, false> } else { x86::q8_blocks_avx2::<G, true> };
+            let cpn = if cp.is_empty() { &mut [][..] } else { &mut cp[..n] };
             // SAFETY: `simd_level` reports AVX2 only when the CPU has AVX2 and FMA; the slices
-            // cover `full` whole blocks of `b` elements, `b` a multiple of 16 and at most
-            // MAX_BLOCK (validated by `Quant8Config::validate` before any state exists).
+            // (the copy too, when there is one) cover `full` whole blocks of `b` elements, `b` a
+            // multiple of 16 and at most MAX_BLOCK (validated by `Quant8Config::validate` before
+            // any state exists).
             unsafe {
-                x86::q8_blocks_avx2::<G>(
+                kernel(
                     &mut p[..n],
+                    cpn,
                     &g[..n],
                     &mut s.qm[..n],
                     &mut s.qv[..n],
@@ -296,32 +468,43 @@ fn q8_run<G: GradElem>(p: &mut [f32], g: &[G], mut s: Q8Slices<'_>, c: &Coeffs, 
                     s.maps,
                 );
                 // The short last block, if any.
-                x86::q8_scalar_avx2(p, g, &mut s, c, full);
+                x86::q8_scalar_avx2(p, cp, g, &mut s, c, full);
             }
         }
-        _ => q8_scalar_blocks(p, g, &mut s, c, 0),
+        _ => q8_scalar_blocks(p, cp, g, &mut s, c, 0),
     }
 }
 
-/// Updates one tensor with 8-bit state. Lengths must be consistent (checked by the caller).
-pub(crate) fn update_q8(p: &mut [f32], g: Grad<'_>, s: Q8Slices<'_>, c: &Coeffs, pool: &ThreadPool, level: SimdLevel) {
+/// Updates one tensor with 8-bit state, and writes its bf16 copy when `cp` is given. Lengths must
+/// be consistent (checked by the caller).
+pub(crate) fn update_q8(
+    p: &mut [f32],
+    g: Grad<'_>,
+    s: Q8Slices<'_>,
+    cp: Option<&mut [bf16]>,
+    c: &Coeffs,
+    pool: &ThreadPool,
+    path: KernelPath,
+) {
     let (b, maps) = (s.block, s.maps);
     let bpt = (TASK / b).max(1);
     let te = bpt * b;
     let n = p.len();
     let tasks = p
         .chunks_mut(te)
+        .zip(copy_chunks(cp, te))
         .zip(s.qm.chunks_mut(te))
         .zip(s.qv.chunks_mut(te))
         .zip(s.am.chunks_mut(bpt))
         .zip(s.av.chunks_mut(bpt))
         .enumerate();
-    type Task<'t> = (usize, ((((&'t mut [f32], &'t mut [u8]), &'t mut [u8]), &'t mut [f32]), &'t mut [f32]));
-    let work = |(i, ((((p, qm), qv), am), av)): Task<'_>| {
+    type Task<'t> =
+        (usize, (((((&'t mut [f32], &'t mut [bf16]), &'t mut [u8]), &'t mut [u8]), &'t mut [f32]), &'t mut [f32]));
+    let work = |(i, (((((p, cp), qm), qv), am), av)): Task<'_>| {
         let s = Q8Slices { qm, qv, am, av, block: b, maps };
         match g.slice(i * te, p.len()) {
-            Grad::F32(g) => q8_run(p, g, s, c, level),
-            Grad::Bf16(g) => q8_run(p, g, s, c, level),
+            Grad::F32(g) => q8_run(p, cp, g, s, c, path),
+            Grad::Bf16(g) => q8_run(p, cp, g, s, c, path),
         }
     };
     if n < PAR_MIN || pool.threads() == 1 {
@@ -331,28 +514,66 @@ pub(crate) fn update_q8(p: &mut [f32], g: Grad<'_>, s: Q8Slices<'_>, c: &Coeffs,
     }
 }
 
+/// `half::bf16::from_f32` of `src` into `dst` (equal lengths) on the calling thread, with the
+/// SIMD conversion of `path`.
+pub(crate) fn bf16_chunk(src: &[f32], dst: &mut [bf16], path: KernelPath) {
+    match path.level {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX-512F/DQ are present (`simd_level`), and AVX512-BF16 when `bf16_hw` is set
+        // (`KernelPath::detect`).
+        SimdLevel::Avx512 => unsafe {
+            if path.bf16_hw { x86::bf16_avx512::<COPY_HW>(src, dst) } else { x86::bf16_avx512::<COPY_INT>(src, dst) }
+        },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `simd_level` reports AVX2 only when the CPU has it.
+        SimdLevel::Avx2 => unsafe { x86::bf16_avx2(src, dst) },
+        _ => {
+            for (d, &x) in dst.iter_mut().zip(src) {
+                *d = bf16_rne(x);
+            }
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
     use std::mem::MaybeUninit;
 
-    use super::{Coeffs, Q8Slices, fp32_generic, q8_scalar_blocks};
+    use half::bf16;
+
+    use super::{COPY_HW, Coeffs, NO_COPY, Q8Slices, fp32_generic, q8_scalar_blocks};
     use crate::config::MAX_BLOCK;
+    use crate::copy::bf16_rne;
     use crate::grad::GradElem;
     use crate::qmap::{LutParams, QuantMap, QuantMaps};
 
     /// # Safety
     /// The CPU must support AVX-512F.
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn fp32_avx512<G: GradElem>(p: &mut [f32], g: &[G], m: &mut [f32], v: &mut [f32], c: &Coeffs) {
-        fp32_generic(p, g, m, v, c)
+    pub(super) unsafe fn fp32_avx512<G: GradElem>(
+        p: &mut [f32],
+        g: &[G],
+        m: &mut [f32],
+        v: &mut [f32],
+        cp: &mut [bf16],
+        c: &Coeffs,
+    ) {
+        fp32_generic(p, g, m, v, cp, c)
     }
 
     /// # Safety
     /// The CPU must support AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn fp32_avx2<G: GradElem>(p: &mut [f32], g: &[G], m: &mut [f32], v: &mut [f32], c: &Coeffs) {
-        fp32_generic(p, g, m, v, c)
+    pub(super) unsafe fn fp32_avx2<G: GradElem>(
+        p: &mut [f32],
+        g: &[G],
+        m: &mut [f32],
+        v: &mut [f32],
+        cp: &mut [bf16],
+        c: &Coeffs,
+    ) {
+        fp32_generic(p, g, m, v, cp, c)
     }
 
     /// The scalar 8-bit body compiled with FMA (for the short last block of a run).
@@ -362,12 +583,13 @@ mod x86 {
     #[target_feature(enable = "avx512f,fma")]
     pub(super) unsafe fn q8_scalar_avx512<G: GradElem>(
         p: &mut [f32],
+        cp: &mut [bf16],
         g: &[G],
         s: &mut Q8Slices<'_>,
         c: &Coeffs,
         done: usize,
     ) {
-        q8_scalar_blocks(p, g, s, c, done)
+        q8_scalar_blocks(p, cp, g, s, c, done)
     }
 
     /// The scalar 8-bit body compiled with FMA (so `mul_add` is one instruction).
@@ -377,25 +599,128 @@ mod x86 {
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn q8_scalar_avx2<G: GradElem>(
         p: &mut [f32],
+        cp: &mut [bf16],
         g: &[G],
         s: &mut Q8Slices<'_>,
         c: &Coeffs,
         done: usize,
     ) {
-        q8_scalar_blocks(p, g, s, c, done)
+        q8_scalar_blocks(p, cp, g, s, c, done)
+    }
+
+    /// The bf16 bits of 16 lanes, exactly `half::bf16::from_f32` (see `crate::copy::bf16_rne`):
+    /// round to nearest even by adding `0x7fff` plus the kept half's lowest bit, and a NaN keeps its
+    /// top half with the quiet bit set.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn bf16x16_int(x: __m512) -> __m256i {
+        let b = _mm512_castps_si512(x);
+        let top = _mm512_srli_epi32::<16>(b);
+        let lsb = _mm512_and_si512(top, _mm512_set1_epi32(1));
+        let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), lsb));
+        let nan = _mm512_cmpgt_epu32_mask(
+            _mm512_and_si512(b, _mm512_set1_epi32(0x7fff_ffff)),
+            _mm512_set1_epi32(0x7f80_0000),
+        );
+        _mm512_cvtepi32_epi16(_mm512_mask_or_epi32(rounded, nan, top, _mm512_set1_epi32(0x40)))
+    }
+
+    /// Stores the bf16 copy of 16 lanes at `dst`: with `vcvtneps2bf16` for `MODE == COPY_HW`
+    /// (bit-identical to `half` for normal numbers, zeros, infinities and NaN; it reads subnormal
+    /// inputs as zero, so a group of 16 holding one takes the integer rounding), else `bf16x16_int`.
+    ///
+    /// # Safety
+    /// `dst` must be valid for writing 16 elements; for `COPY_HW` the CPU must have AVX512-BF16.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512dq")]
+    pub(super) unsafe fn store_bf16x16<const MODE: u8>(dst: *mut bf16, x: __m512) {
+        let bits = if MODE == COPY_HW && _mm512_fpclass_ps_mask::<0x20>(x) == 0 {
+            let r: __m256i;
+            // SAFETY: the caller guarantees AVX512-BF16 for COPY_HW; the instruction only reads and
+            // writes registers.
+            unsafe {
+                std::arch::asm!("vcvtneps2bf16 {r}, {x}", x = in(zmm_reg) x, r = out(ymm_reg) r, options(pure, nomem, nostack))
+            };
+            r
+        } else {
+            bf16x16_int(x)
+        };
+        // SAFETY: the caller guarantees 16 writable elements (32 bytes; bf16 is a transparent u16).
+        unsafe { _mm256_storeu_si256(dst as *mut __m256i, bits) }
+    }
+
+    /// Stores the bf16 copy of 8 lanes at `dst` (AVX2; the rounding of `bf16x16_int`).
+    ///
+    /// # Safety
+    /// `dst` must be valid for writing 8 elements, and the CPU must support AVX2.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn store_bf16x8(dst: *mut bf16, x: __m256) {
+        let b = _mm256_castps_si256(x);
+        let top = _mm256_srli_epi32::<16>(b);
+        let lsb = _mm256_and_si256(top, _mm256_set1_epi32(1));
+        let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), lsb));
+        // Both sides are below 2^31, so the signed compare is the unsigned one.
+        let nan =
+            _mm256_cmpgt_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7fff_ffff)), _mm256_set1_epi32(0x7f80_0000));
+        let bits = _mm256_blendv_epi8(rounded, _mm256_or_si256(top, _mm256_set1_epi32(0x40)), nan);
+        // Every lane is below 2^16, so the saturating pack is exact: words 0-3 of each 128-bit lane
+        // are its four results; quadwords 0 and 2 hold all eight in order.
+        let w = _mm256_permute4x64_epi64::<0b1000>(_mm256_packus_epi32(bits, bits));
+        // SAFETY: the caller guarantees 8 writable elements (16 bytes).
+        unsafe { _mm_storeu_si128(dst as *mut __m128i, _mm256_castsi256_si128(w)) }
+    }
+
+    /// `dst[i] = bf16(src[i])` (equal lengths) with `store_bf16x16`.
+    ///
+    /// # Safety
+    /// AVX-512F and DQ must be available, and AVX512-BF16 for `COPY_HW`.
+    #[target_feature(enable = "avx512f,avx512dq")]
+    pub(super) unsafe fn bf16_avx512<const MODE: u8>(src: &[f32], dst: &mut [bf16]) {
+        let n = src.len().min(dst.len());
+        let mut i = 0;
+        while i + 16 <= n {
+            // SAFETY: i + 16 <= n, within both slices; the caller guarantees the CPU features.
+            unsafe { store_bf16x16::<MODE>(dst.as_mut_ptr().add(i), _mm512_loadu_ps(src.as_ptr().add(i))) };
+            i += 16;
+        }
+        for (d, &x) in dst[i..n].iter_mut().zip(&src[i..n]) {
+            *d = bf16_rne(x);
+        }
+    }
+
+    /// `dst[i] = bf16(src[i])` (equal lengths) with `store_bf16x8`.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn bf16_avx2(src: &[f32], dst: &mut [bf16]) {
+        let n = src.len().min(dst.len());
+        let mut i = 0;
+        while i + 8 <= n {
+            // SAFETY: i + 8 <= n, within both slices; AVX2 is guaranteed by the caller.
+            unsafe { store_bf16x8(dst.as_mut_ptr().add(i), _mm256_loadu_ps(src.as_ptr().add(i))) };
+            i += 8;
+        }
+        for (d, &x) in dst[i..n].iter_mut().zip(&src[i..n]) {
+            *d = bf16_rne(x);
+        }
     }
 
     /// Codes (low byte of each i32 lane) of 16 normalised values in [-1, 1]; the lane-parallel form
     /// of `QuantMap::quantize` for tables in the unit-step format (`QuantMap::lut_params`).
     /// `SIGNED = false` assumes the sign bits are clear (the second moment is never negative).
+    /// `SH` and `UP` are the table's bucket shift and `32 - shift` when known at compile time (the
+    /// default maps, see `quantize_pair`), which saves the second uop of each shift by a register
+    /// count; `SH = 0` reads both from `t`.
     #[inline]
     #[target_feature(enable = "avx512f,avx512dq")]
-    fn lookup<const SIGNED: bool>(q: __m512, t: &LutKernel) -> __m512i {
+    fn lookup<const SIGNED: bool, const SH: u32, const UP: u32>(q: __m512, t: &LutKernel) -> __m512i {
         // |q| clamped to [lo, 1.0]: `vrangeps` (max of magnitudes, sign cleared) does the absolute
         // value and the lower clamp in one instruction; the integer `min` bounds the index even for
         // a NaN lane (whose bits exceed 1.0's), which the callers never pass.
         let key = _mm512_min_epu32(_mm512_castps_si512(_mm512_range_ps::<0b1011>(q, t.lo)), t.one);
-        let mut bucket = _mm512_srl_epi32(key, t.shift);
+        let mut bucket = if SH == 0 { _mm512_srl_epi32(key, t.shift) } else { _mm512_srli_epi32::<SH>(key) };
         let neg = if SIGNED { _mm512_movepi32_mask(_mm512_castps_si512(q)) } else { 0 };
         if SIGNED {
             bucket = _mm512_mask_add_epi32(bucket, neg, bucket, t.buckets);
@@ -403,7 +728,8 @@ mod x86 {
         // SAFETY: `key` is in [lo, 1.0], so `bucket - lo_key` < buckets (+ buckets on the negative
         // side) <= lut.len(), and `t.base` points `lo_key` entries before the table (`LutKernel`).
         let e = unsafe { _mm512_i32gather_epi32::<4>(bucket, t.base) };
-        let hit = _mm512_cmpgt_epu32_mask(_mm512_sll_epi32(key, t.up), e);
+        let off = if SH == 0 { _mm512_sll_epi32(key, t.up) } else { _mm512_slli_epi32::<UP>(key) };
+        let hit = _mm512_cmpgt_epu32_mask(off, e);
         let dir = if SIGNED { _mm512_mask_blend_epi32(neg, t.plus1, t.minus1) } else { t.plus1 };
         _mm512_mask_add_epi32(e, hit, e, dir)
     }
@@ -459,7 +785,7 @@ mod x86 {
             // SAFETY: j + 16 <= n <= x.len(), and 16 bytes fit in out[j..].
             unsafe {
                 let q = _mm512_mul_ps(_mm512_loadu_ps(x.as_ptr().add(j)), r);
-                let idx = lookup::<SIGNED>(q, &t);
+                let idx = lookup::<SIGNED, 0, 0>(q, &t);
                 _mm_storeu_si128(out.as_mut_ptr().add(j) as *mut __m128i, _mm512_cvtepi32_epi8(idx));
             }
             j += 16;
@@ -470,7 +796,7 @@ mod x86 {
     /// independent gathers in flight per iteration), falling back to the separate calls when either
     /// absmax is outside the fast range or a map lacks the SIMD table.
     #[inline]
-    #[target_feature(enable = "avx512f,avx512dq")]
+    #[target_feature(enable = "avx512f,avx512dq,avx512bw")]
     #[allow(clippy::too_many_arguments)]
     fn quantize_pair(
         xm: &[f32],
@@ -493,14 +819,38 @@ mod x86 {
             quantize_block::<false>(xv, av, qv, um);
             return;
         }
+        let (sh_m, sh_v) = (ts.shift, tu.shift);
         let (ts, tu) = (LutKernel::new(&ts), LutKernel::new(&tu));
         let (r_m, r_v) = (_mm512_set1_ps(1.0 / am), _mm512_set1_ps(1.0 / av));
+        if (sh_m, sh_v) == (17, 16) {
+            quantize_pair_loop::<17, 15, 16, 16>(xm, qm, &ts, r_m, xv, qv, &tu, r_v);
+        } else {
+            quantize_pair_loop::<0, 0, 0, 0>(xm, qm, &ts, r_m, xv, qv, &tu, r_v);
+        }
+    }
+
+    /// The loop of `quantize_pair` (lengths checked there), with the bucket shifts of both tables
+    /// as constants when they are the default maps' (see `lookup`).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512dq")]
+    #[allow(clippy::too_many_arguments)]
+    fn quantize_pair_loop<const SM: u32, const UM: u32, const SV: u32, const UV: u32>(
+        xm: &[f32],
+        qm: &mut [u8],
+        ts: &LutKernel,
+        r_m: __m512,
+        xv: &[f32],
+        qv: &mut [u8],
+        tu: &LutKernel,
+        r_v: __m512,
+    ) {
+        let n = qm.len();
         let mut j = 0;
         while j + 16 <= n {
             // SAFETY: j + 16 <= n <= xm.len(), xv.len(); 16 bytes fit in qm[j..] and qv[j..].
             unsafe {
-                let im = lookup::<true>(_mm512_mul_ps(_mm512_loadu_ps(xm.as_ptr().add(j)), r_m), &ts);
-                let iv = lookup::<false>(_mm512_mul_ps(_mm512_loadu_ps(xv.as_ptr().add(j)), r_v), &tu);
+                let im = lookup::<true, SM, UM>(_mm512_mul_ps(_mm512_loadu_ps(xm.as_ptr().add(j)), r_m), ts);
+                let iv = lookup::<false, SV, UV>(_mm512_mul_ps(_mm512_loadu_ps(xv.as_ptr().add(j)), r_v), tu);
                 _mm_storeu_si128(qm.as_mut_ptr().add(j) as *mut __m128i, _mm512_cvtepi32_epi8(im));
                 _mm_storeu_si128(qv.as_mut_ptr().add(j) as *mut __m128i, _mm512_cvtepi32_epi8(iv));
             }
@@ -509,16 +859,18 @@ mod x86 {
     }
 
     /// Updates `am.len()` whole blocks of `block` elements: the AVX-512 form of `q8_block_scalar`
-    /// (see the module docs for the arithmetic).
+    /// (see the module docs for the arithmetic), dequantizing with gathers. With `COPY != NO_COPY`
+    /// it also writes the bf16 copy of every updated parameter into `cp` (`store_bf16x16`).
     ///
     /// # Safety
-    /// AVX-512F and AVX-512DQ must be available. `block` must be a multiple of 16 and at most
-    /// `MAX_BLOCK`, and `p`, `g`, `qm`, `qv` must all have exactly `am.len() * block` elements, `av`
-    /// as many as `am`.
-    #[target_feature(enable = "avx512f,avx512dq")]
+    /// AVX-512F, DQ and BW must be available, and AVX512-BF16 for `COPY == COPY_HW`. `block` must
+    /// be a multiple of 16 and at most `MAX_BLOCK`, and `p`, `g`, `qm`, `qv` (and `cp` unless
+    /// `COPY == NO_COPY`) must all have exactly `am.len() * block` elements, `av` as many as `am`.
+    #[target_feature(enable = "avx512f,avx512dq,avx512bw")]
     #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn q8_blocks_avx512<G: GradElem>(
+    pub(super) unsafe fn q8_blocks_avx512<G: GradElem, const COPY: u8>(
         p: &mut [f32],
+        cp: &mut [bf16],
         g: &[G],
         qm: &mut [u8],
         qv: &mut [u8],
@@ -548,12 +900,15 @@ mod x86 {
             let mut j = 0;
             while j < block {
                 let o = base + j;
-                // SAFETY: o + 16 <= (k + 1) * block <= p.len() = g.len() = qm.len() = qv.len(), and
-                // j + 16 <= block <= MAX_BLOCK for the scratch arrays; gather indices are u8 < 256,
-                // the length of both code tables.
+                // SAFETY: o + 16 <= (k + 1) * block <= p.len() = g.len() = qm.len() = qv.len() (=
+                // cp.len() with a copy), and j + 16 <= block <= MAX_BLOCK for the scratch arrays;
+                // gather indices are u8 < 256, the length of both code tables.
                 unsafe {
                     if j % 64 == 0 {
                         prefetch64(o + PREFETCH_AHEAD, p.as_ptr(), g.as_ptr(), qm.as_ptr(), qv.as_ptr());
+                        if COPY != NO_COPY {
+                            prefetch_copy64(o + PREFETCH_AHEAD, cp.as_ptr());
+                        }
                     }
                     let im = _mm512_cvtepu8_epi32(_mm_loadu_si128(qm.as_ptr().add(o) as *const __m128i));
                     let iv = _mm512_cvtepu8_epi32(_mm_loadu_si128(qv.as_ptr().add(o) as *const __m128i));
@@ -569,7 +924,11 @@ mod x86 {
                     let denom = _mm512_fmadd_ps(_mm512_sqrt_ps(v1), inv_bc2, eps);
                     let pp = p.as_mut_ptr().add(o);
                     let upd = _mm512_div_ps(_mm512_mul_ps(m1, neg_step), denom);
-                    _mm512_storeu_ps(pp, _mm512_fmadd_ps(_mm512_loadu_ps(pp), decay, upd));
+                    let pn = _mm512_fmadd_ps(_mm512_loadu_ps(pp), decay, upd);
+                    _mm512_storeu_ps(pp, pn);
+                    if COPY != NO_COPY {
+                        store_bf16x16::<COPY>(cp.as_mut_ptr().add(o), pn);
+                    }
                     _mm512_storeu_ps(tm.as_mut_ptr().add(j), m1);
                     _mm512_storeu_ps(tv.as_mut_ptr().add(j), v1);
                     // Running max of |x| on the magnitude bits: integer order is float order there,
@@ -693,6 +1052,19 @@ mod x86 {
         line(qv.wrapping_add(o));
     }
 
+    /// Prefetches the two lines of the bf16 copy of the 64 parameters at element `o`, for writing
+    /// (`prefetchw`): the copy is only ever stored to, so without this every line's
+    /// read-for-ownership missed when the store retired and the store buffer filled up.
+    #[inline(always)]
+    fn prefetch_copy64(o: usize, cp: *const bf16) {
+        let b = cp.wrapping_add(o) as *const i8;
+        // SAFETY: a prefetch is a hint: it never faults and reads nothing into the program.
+        unsafe {
+            _mm_prefetch::<_MM_HINT_ET0>(b);
+            _mm_prefetch::<_MM_HINT_ET0>(b.wrapping_add(64));
+        }
+    }
+
     /// Everything the interleaved quantization of a finished block needs.
     #[derive(Clone, Copy)]
     struct Pending {
@@ -715,11 +1087,12 @@ mod x86 {
     /// update then pays compute time plus memory time. Interleaved, memory demand is uniform.
     ///
     /// # Safety
-    /// As `q8_blocks_avx512`, plus AVX-512 BW and VBMI, and `block` a multiple of 64.
+    /// As `q8_blocks_avx512`, plus AVX-512 VBMI, and `block` a multiple of 64.
     #[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vbmi")]
     #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn q8_blocks_avx512_vbmi<G: GradElem>(
+    pub(super) unsafe fn q8_blocks_avx512_vbmi<G: GradElem, const COPY: u8>(
         p: &mut [f32],
+        cp: &mut [bf16],
         g: &[G],
         qm: &mut [u8],
         qv: &mut [u8],
@@ -737,6 +1110,7 @@ mod x86 {
         let mut scratch = [MaybeUninit::<f32>::uninit(); 4 * MAX_BLOCK];
         let sp = scratch.as_mut_ptr() as *mut f32;
         let (pp, gp, qmp, qvp) = (p.as_mut_ptr(), g.as_ptr(), qm.as_mut_ptr(), qv.as_mut_ptr());
+        let cpp = cp.as_mut_ptr();
         let decay = _mm512_set1_ps(c.decay);
         let gm = _mm512_set1_ps(c.gm);
         let gv = _mm512_set1_ps(c.gv);
@@ -764,10 +1138,14 @@ mod x86 {
             let mut maxm = _mm512_setzero_si512();
             let mut maxv = _mm512_setzero_si512();
             for j in (0..block).step_by(64) {
-                // SAFETY: base + j + 64 <= (k + 1) * block <= the length of p, g, qm and qv; the
-                // scratch slot has `block` <= MAX_BLOCK floats per moment, j + 64 <= block.
+                // SAFETY: base + j + 64 <= (k + 1) * block <= the length of p, g, qm and qv (and of
+                // cp with a copy); the scratch slot has `block` <= MAX_BLOCK floats per moment,
+                // j + 64 <= block.
                 unsafe {
                     prefetch64(base + j + PREFETCH_AHEAD, pp, gp, qmp, qvp);
+                    if COPY != NO_COPY {
+                        prefetch_copy64(base + j + PREFETCH_AHEAD, cpp);
+                    }
                     let cm = dequant64(_mm512_loadu_si512(qmp.add(base + j) as *const __m512i), splanes);
                     let cv = dequant64(_mm512_loadu_si512(qvp.add(base + j) as *const __m512i), uplanes);
                     for s in 0..4 {
@@ -777,7 +1155,11 @@ mod x86 {
                         let v1 = _mm512_fmadd_ps(cv[s], av_b2, _mm512_mul_ps(_mm512_mul_ps(gr, gv), gr));
                         let denom = _mm512_fmadd_ps(_mm512_sqrt_ps(v1), inv_bc2, eps);
                         let upd = _mm512_div_ps(_mm512_mul_ps(m1, neg_step), denom);
-                        _mm512_storeu_ps(pp.add(o), _mm512_fmadd_ps(_mm512_loadu_ps(pp.add(o)), decay, upd));
+                        let pn = _mm512_fmadd_ps(_mm512_loadu_ps(pp.add(o)), decay, upd);
+                        _mm512_storeu_ps(pp.add(o), pn);
+                        if COPY != NO_COPY {
+                            store_bf16x16::<COPY>(cpp.add(o), pn);
+                        }
                         _mm512_storeu_ps(tm.add(j + 16 * s), m1);
                         _mm512_storeu_ps(tv.add(j + 16 * s), v1);
                         // Running max of |x| on the magnitude bits: integer order is float order there,
@@ -847,8 +1229,8 @@ mod x86 {
         for s in 0..4 {
             // SAFETY: j + 16 * s + 16 <= block floats of the slot (caller).
             unsafe {
-                cm[s] = lookup::<true>(_mm512_mul_ps(_mm512_loadu_ps(xm.add(16 * s)), q.rm), &l.0);
-                cv[s] = lookup::<false>(_mm512_mul_ps(_mm512_loadu_ps(xv.add(16 * s)), q.rv), &l.1);
+                cm[s] = lookup::<true, 0, 0>(_mm512_mul_ps(_mm512_loadu_ps(xm.add(16 * s)), q.rm), &l.0);
+                cv[s] = lookup::<false, 0, 0>(_mm512_mul_ps(_mm512_loadu_ps(xv.add(16 * s)), q.rv), &l.1);
             }
         }
         // SAFETY: q.base + j + 64 <= q.base + block, within both code slices (caller).
@@ -936,13 +1318,17 @@ mod x86 {
     /// arithmetic 8 lanes at a time (bit-identical to it), gathers for dequantization, and the same
     /// reciprocal multiply and exact table lookup as the AVX-512 kernels for re-quantization.
     ///
+    /// With `COPY` it also writes the bf16 copy of every updated parameter into `cp`.
+    ///
     /// # Safety
     /// AVX2 and FMA must be available. `block` must be a multiple of 16 and at most `MAX_BLOCK`, and
-    /// `p`, `g`, `qm`, `qv` must all have exactly `am.len() * block` elements, `av` as many as `am`.
+    /// `p`, `g`, `qm`, `qv` (and `cp` with `COPY`) must all have exactly `am.len() * block`
+    /// elements, `av` as many as `am`.
     #[target_feature(enable = "avx2,fma")]
     #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn q8_blocks_avx2<G: GradElem>(
+    pub(super) unsafe fn q8_blocks_avx2<G: GradElem, const COPY: bool>(
         p: &mut [f32],
+        cp: &mut [bf16],
         g: &[G],
         qm: &mut [u8],
         qv: &mut [u8],
@@ -960,6 +1346,7 @@ mod x86 {
         let mut tv = [MaybeUninit::<f32>::uninit(); MAX_BLOCK];
         let (tmp, tvp) = (tm.as_mut_ptr() as *mut f32, tv.as_mut_ptr() as *mut f32);
         let (pp, gp, qmp, qvp) = (p.as_mut_ptr(), g.as_ptr(), qm.as_mut_ptr(), qv.as_mut_ptr());
+        let cpp = cp.as_mut_ptr();
         let decay = _mm256_set1_ps(c.decay);
         let gm = _mm256_set1_ps(c.gm);
         let gv = _mm256_set1_ps(c.gv);
@@ -976,12 +1363,15 @@ mod x86 {
             let mut nan = _mm256_setzero_ps();
             for j in (0..block).step_by(8) {
                 let o = base + j;
-                // SAFETY: o + 8 <= (k + 1) * block <= the length of p, g, qm and qv, and j + 8 <=
-                // block <= MAX_BLOCK for the scratch; gather indices are u8 < 256, the length of
-                // both code tables.
+                // SAFETY: o + 8 <= (k + 1) * block <= the length of p, g, qm and qv (and of cp
+                // with a copy), and j + 8 <= block <= MAX_BLOCK for the scratch; gather indices
+                // are u8 < 256, the length of both code tables.
                 unsafe {
                     if j % 64 == 0 {
                         prefetch64(o + PREFETCH_AHEAD, pp, gp, qmp, qvp);
+                        if COPY {
+                            prefetch_copy64(o + PREFETCH_AHEAD, cpp);
+                        }
                     }
                     let im = _mm256_cvtepu8_epi32(_mm_loadl_epi64(qmp.add(o) as *const __m128i));
                     let iv = _mm256_cvtepu8_epi32(_mm_loadl_epi64(qvp.add(o) as *const __m128i));
@@ -994,7 +1384,11 @@ mod x86 {
                     );
                     let denom = _mm256_fmadd_ps(_mm256_sqrt_ps(v1), inv_bc2, eps);
                     let upd = _mm256_div_ps(_mm256_mul_ps(m1, neg_step), denom);
-                    _mm256_storeu_ps(pp.add(o), _mm256_fmadd_ps(_mm256_loadu_ps(pp.add(o)), decay, upd));
+                    let pn = _mm256_fmadd_ps(_mm256_loadu_ps(pp.add(o)), decay, upd);
+                    _mm256_storeu_ps(pp.add(o), pn);
+                    if COPY {
+                        store_bf16x8(cpp.add(o), pn);
+                    }
                     _mm256_storeu_ps(tmp.add(j), m1);
                     _mm256_storeu_ps(tvp.add(j), v1);
                     // `max(a, acc)` is `a > acc ? a : acc` lane by lane, as `block_absmax`: a NaN
@@ -1060,17 +1454,31 @@ mod tests {
         (qm, qv, am, av)
     }
 
-    /// The SIMD levels this CPU can run, widest first.
-    fn levels() -> Vec<SimdLevel> {
-        [SimdLevel::Avx512, SimdLevel::Avx2].into_iter().filter(|&l| l <= simd_level()).collect()
+    /// The SIMD paths this CPU can run: AVX-512 with gathers and with byte permutes (VBMI), each
+    /// with integer and with `vcvtneps2bf16` bf16 rounding (AVX512-BF16), and AVX2.
+    fn paths() -> Vec<KernelPath> {
+        let mut v = Vec::new();
+        if simd_level() >= SimdLevel::Avx512 {
+            for permute in [false, true].into_iter().filter(|&p| !p || crate::simd::has_vbmi()) {
+                for bf16_hw in [false, true].into_iter().filter(|&h| !h || crate::simd::has_avx512bf16()) {
+                    v.push(KernelPath { level: SimdLevel::Avx512, permute, bf16_hw });
+                }
+            }
+        }
+        if simd_level() >= SimdLevel::Avx2 {
+            v.push(KernelPath::plain(SimdLevel::Avx2));
+        }
+        v
     }
 
     /// Parameters, m codes, v codes, m absmax, v absmax.
     type Q8State = (Vec<f32>, Vec<u8>, Vec<u8>, Vec<f32>, Vec<f32>);
 
-    /// Runs `update_q8` at `level` on copies of the given state.
+    /// Runs `update_q8` on `path` on copies of the given state, once without and once with the
+    /// bf16 copy; asserts that the copy changes nothing else and equals `half::bf16::from_f32` of
+    /// the updated parameters bit for bit.
     fn run_q8(
-        level: SimdLevel,
+        path: KernelPath,
         block: usize,
         maps: QuantMaps,
         grad: Grad<'_>,
@@ -1080,8 +1488,29 @@ mod tests {
     ) -> Q8State {
         let (mut p, mut qm, mut qv, mut am, mut av) = state.clone();
         let s = Q8Slices { qm: &mut qm, qv: &mut qv, am: &mut am, av: &mut av, block, maps };
-        update_q8(&mut p, grad, s, c, pool, level);
-        (p, qm, qv, am, av)
+        update_q8(&mut p, grad, s, None, c, pool, path);
+        let plain = (p, qm, qv, am, av);
+        let (mut p, mut qm, mut qv, mut am, mut av) = state.clone();
+        let mut cp = vec![bf16::from_bits(0x5555); p.len()];
+        let s = Q8Slices { qm: &mut qm, qv: &mut qv, am: &mut am, av: &mut av, block, maps };
+        update_q8(&mut p, grad, s, Some(&mut cp), c, pool, path);
+        let copied = (p, qm, qv, am, av);
+        assert_same(&copied, &plain, &format!("{path:?} with the bf16 copy"));
+        assert_copy(&copied.0, &cp, &format!("{path:?}"));
+        plain
+    }
+
+    /// Asserts `cp[i] == bf16::from_f32(p[i])` bit for bit.
+    fn assert_copy(p: &[f32], cp: &[bf16], what: &str) {
+        assert_eq!(p.len(), cp.len());
+        if let Some(i) = (0..p.len()).find(|&i| cp[i].to_bits() != bf16::from_f32(p[i]).to_bits()) {
+            panic!(
+                "{what}: copy [{i}] of {:08x} is {:04x}, want {:04x}",
+                p[i].to_bits(),
+                cp[i].to_bits(),
+                bf16::from_f32(p[i]).to_bits()
+            );
+        }
     }
 
     /// Asserts bit equality of two update results (parameters, codes, absmax).
@@ -1125,10 +1554,10 @@ mod tests {
                     (Grad::Bf16(&gb), QuantMaps::default()),
                     (Grad::F32(&gf), crate::qmap::tests::bnb_cpu_maps()),
                 ] {
-                    let want = run_q8(SimdLevel::Scalar, block, maps, grad, &c, &pool, &state);
-                    for level in levels() {
-                        let got = run_q8(level, block, maps, grad, &c, &pool, &state);
-                        assert_same(&got, &want, &format!("{} block {block} step {step}", level.name()));
+                    let want = run_q8(KernelPath::plain(SimdLevel::Scalar), block, maps, grad, &c, &pool, &state);
+                    for path in paths() {
+                        let got = run_q8(path, block, maps, grad, &c, &pool, &state);
+                        assert_same(&got, &want, &format!("{path:?} block {block} step {step}"));
                     }
                 }
             }
@@ -1201,15 +1630,15 @@ mod tests {
             for c in [Coeffs::new(&cfg, 1, 1.0), coeffs(3, 0.5)] {
                 for grad in [Grad::F32(&g), Grad::Bf16(&gb)] {
                     let maps = QuantMaps::default();
-                    let want = run_q8(SimdLevel::Scalar, block, maps, grad, &c, &pool, &state);
+                    let want = run_q8(KernelPath::plain(SimdLevel::Scalar), block, maps, grad, &c, &pool, &state);
                     if c.beta1 == 0.0 && matches!(grad, Grad::F32(_)) {
                         // The first block's absmax is its leading +absmax: the probes really are
                         // the normalised moments.
                         assert_eq!(want.3[0], g[0]);
                     }
-                    for level in levels() {
-                        let got = run_q8(level, block, maps, grad, &c, &pool, &state);
-                        assert_same(&got, &want, &format!("{} block {block}", level.name()));
+                    for path in paths() {
+                        let got = run_q8(path, block, maps, grad, &c, &pool, &state);
+                        assert_same(&got, &want, &format!("{path:?} block {block}"));
                     }
                 }
             }
@@ -1230,6 +1659,63 @@ mod tests {
         -next_up(-x)
     }
 
+    /// The bf16 copy on parameters that stress the rounding, through both kernels on every path:
+    /// with `lr = 0` (and no decay) the update leaves every parameter as it was (`p * 1 + 0`), so
+    /// NaNs with any payload, infinities, zeros, subnormals, exact ties and values that round up to
+    /// infinity reach the copy unchanged; a second step with a real update covers ordinary values.
+    /// Tensors below and above the 8-bit threshold, ragged last blocks, and both thread splits.
+    #[test]
+    fn bf16_copy_matches_half_on_edge_cases_and_every_path() {
+        let pool = ThreadPool::new(2).unwrap();
+        let mut p0: Vec<f32> = crate::copy::tests::bf16_probe_bits().into_iter().map(f32::from_bits).collect();
+        let n = PAR_MIN + 3 * 256 + 37;
+        let mut rng = SplitMix64::new(77);
+        while p0.len() < n {
+            p0.push(rng.uniform());
+        }
+        let g: Vec<f32> = rng.uniform_vec(n);
+        let gb: Vec<bf16> = g.iter().map(|&x| bf16::from_f32(x)).collect();
+        let zeros = vec![0f32; n];
+        for (cfg, grad) in [
+            (AdamWConfig { lr: 0.0, weight_decay: 0.0, ..Default::default() }, Grad::F32(&zeros)),
+            (AdamWConfig { lr: 1e-2, weight_decay: 0.1, ..Default::default() }, Grad::Bf16(&gb)),
+        ] {
+            let c = Coeffs::new(&cfg, 1, 1.0);
+            for len in [n, 1000 + 5] {
+                // 8-bit state (zero moments, as after `add_group`).
+                let nb = len.div_ceil(256);
+                let state = (p0[..len].to_vec(), vec![127u8; len], vec![0u8; len], vec![0f32; nb], vec![0f32; nb]);
+                let maps = QuantMaps::default();
+                let want =
+                    run_q8(KernelPath::plain(SimdLevel::Scalar), 256, maps, grad.slice(0, len), &c, &pool, &state);
+                for path in paths() {
+                    let got = run_q8(path, 256, maps, grad.slice(0, len), &c, &pool, &state);
+                    assert_same(&got, &want, &format!("{path:?} len {len}"));
+                }
+                // fp32 state.
+                for level in
+                    [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512].into_iter().filter(|&l| l <= simd_level())
+                {
+                    let (mut p, mut m, mut v) = (p0[..len].to_vec(), vec![0f32; len], vec![0f32; len]);
+                    let mut cp = vec![bf16::ZERO; len];
+                    match grad.slice(0, len) {
+                        Grad::F32(g) => fp32_chunk(&mut p, g, &mut m, &mut v, &mut cp, &c, level),
+                        Grad::Bf16(g) => fp32_chunk(&mut p, g, &mut m, &mut v, &mut cp, &c, level),
+                    }
+                    assert_copy(&p, &cp, &format!("fp32 {level:?} len {len}"));
+                }
+                let (mut p, mut m, mut v) = (p0[..len].to_vec(), vec![0f32; len], vec![0f32; len]);
+                let mut cp = vec![bf16::ZERO; len];
+                update_fp32(&mut p, grad.slice(0, len), &mut m, &mut v, Some(&mut cp), &c, &pool);
+                assert_copy(&p, &cp, &format!("update_fp32 len {len}"));
+            }
+        }
+        // The lr = 0 pass really kept the special values.
+        assert!(
+            p0.iter().any(|x| x.is_nan()) && p0.iter().any(|x| x.is_subnormal()) && p0.iter().any(|x| x.is_infinite())
+        );
+    }
+
     #[test]
     fn simd_fp32_matches_scalar_bit_for_bit() {
         let pool = ThreadPool::new(2).unwrap();
@@ -1243,11 +1729,21 @@ mod tests {
             let cfg = AdamWConfig { beta1, weight_decay: 0.05, ..Default::default() };
             let c = Coeffs::new(&cfg, 3, 0.5);
             let (mut p, mut m, mut v) = (p0.clone(), m0.clone(), v0.clone());
-            update_fp32(&mut p, Grad::F32(&g), &mut m, &mut v, &c, &pool);
+            update_fp32(&mut p, Grad::F32(&g), &mut m, &mut v, None, &c, &pool);
             let (mut p2, mut m2, mut v2) = (p0.clone(), m0.clone(), v0.clone());
-            fp32_chunk(&mut p2, &g, &mut m2, &mut v2, &c, SimdLevel::Scalar);
+            fp32_chunk(&mut p2, &g, &mut m2, &mut v2, &mut [], &c, SimdLevel::Scalar);
             let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
             assert!(same(&p, &p2) && same(&m, &m2) && same(&v, &v2), "beta1 {beta1}");
+            // With the copy, on every level: the same update, and the copy is `half`'s rounding.
+            for level in
+                [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512].into_iter().filter(|&l| l <= simd_level())
+            {
+                let (mut p3, mut m3, mut v3) = (p0.clone(), m0.clone(), v0.clone());
+                let mut cp = vec![bf16::ZERO; n];
+                fp32_chunk(&mut p3, &g, &mut m3, &mut v3, &mut cp, &c, level);
+                assert!(same(&p3, &p2) && same(&m3, &m2) && same(&v3, &v2), "{level:?} with copy");
+                assert_copy(&p3, &cp, &format!("fp32 {level:?}"));
+            }
         }
     }
 }

@@ -10,9 +10,13 @@
 //!   tensors under 4096 elements keep fp32 state. Codes are the exact nearest map entry (the rule
 //!   bitsandbytes specifies; its CPU kernel deviates near zero, documented in [`qmap`]), found by
 //!   one table read per element instead of a binary search. AVX-512 and AVX2 kernels (chosen at
-//!   run time) give results bit-identical to the portable one (see `kernels`).
+//!   run time; [`q8_kernel_name`] says which) give results bit-identical to the portable one (see
+//!   `kernels`).
 //! - Fast clipping: [`grad`] returns each layer's sum of squares while converting or accumulating its
 //!   gradients, [`GradNorm`] adds them, and the clip scale is applied inside the update kernel.
+//! - The upload copy: [`ParamGroup::update_with_copy`] also writes each updated weight as bf16
+//!   (`half::bf16::from_f32`, bit for bit) in the same pass, so streaming uploads need no
+//!   conversion pass; [`fill_bf16`] makes the first copy on the pool's threads.
 //! - [`AdamW::save`] / [`AdamW::load`]: versioned, checksummed checkpoints.
 //!
 //! ```
@@ -44,6 +48,7 @@
 
 mod checkpoint;
 mod config;
+mod copy;
 mod error;
 pub mod grad;
 mod kernels;
@@ -57,6 +62,7 @@ mod testutil;
 
 pub use checkpoint::{FORMAT_VERSION, MAGIC};
 pub use config::{AdamWConfig, OptimizerKind, Quant8Config};
+pub use copy::fill_bf16;
 pub use error::{OptimError, Result};
 pub use grad::{Grad, GradNorm};
 /// The bf16 type of [`Grad::Bf16`] (re-exported so callers need not depend on `half`).
@@ -64,4 +70,4 @@ pub use half::bf16;
 pub use optimizer::{AdamW, ParamGroup, StepCtx, StepOutcome, TensorState};
 pub use pool::ThreadPool;
 pub use qmap::QuantMap;
-pub use simd::{SimdLevel, simd_level};
+pub use simd::{SimdLevel, q8_kernel_name, simd_level};

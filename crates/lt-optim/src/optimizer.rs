@@ -12,10 +12,11 @@
 use crate::config::{AdamWConfig, OptimizerKind, Quant8Config};
 use crate::error::{OptimError, Result};
 use crate::grad::Grad;
-use crate::kernels::{Coeffs, Q8Slices, update_fp32, update_q8};
+use half::bf16;
+
+use crate::kernels::{Coeffs, KernelPath, Q8Slices, update_fp32, update_q8};
 use crate::pool::ThreadPool;
 use crate::qmap::QuantMaps;
-use crate::simd::simd_level;
 
 /// The step number and clip scale shared by all groups in one optimizer step.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -245,10 +246,68 @@ impl ParamGroup {
             t.check(p.len(), g.len(), ctx.step)?;
         }
         for ((t, p), g) in self.tensors.iter_mut().zip(params.iter_mut()).zip(grads) {
-            t.apply(p, *g, ctx, pool);
+            t.apply(p, None, *g, ctx, pool);
         }
         Ok(())
     }
+
+    /// [`update`](Self::update), and in the same pass writes every updated parameter as bf16 into
+    /// `copies[i]` (as long as `params[i]`): `copies[i][j] == bf16::from_f32(params[i][j])` after
+    /// the call, bit for bit (round to nearest even, see `copy`'s module docs). This is the copy that
+    /// streaming uploads to the GPU, so it no longer needs a conversion pass of its own; make the
+    /// first one with [`fill_bf16`](crate::fill_bf16). Every length (copies included) and the step
+    /// number are checked before anything is modified.
+    ///
+    /// ```
+    /// use lt_optim::{AdamW, AdamWConfig, Grad, OptimizerKind, StepOutcome, ThreadPool, bf16, fill_bf16};
+    ///
+    /// let pool = ThreadPool::new(2)?;
+    /// let mut opt = AdamW::new(AdamWConfig::default(), OptimizerKind::adamw8bit())?;
+    /// let layer = opt.add_group("layers.0", &[("mlp.up_proj", 8192)])?;
+    /// let mut w = vec![0.5f32; 8192];
+    /// let mut w16 = vec![bf16::ZERO; 8192];
+    /// fill_bf16(&w, &mut w16, &pool)?; // once, after loading
+    ///
+    /// let g = vec![bf16::from_f32(0.01); 8192];
+    /// if let StepOutcome::Apply(ctx) = opt.begin_step(0.9) {
+    ///     opt.groups_mut()[layer].update_with_copy(&mut [&mut w], &mut [&mut w16], &[Grad::Bf16(&g)], &ctx, &pool)?;
+    /// }
+    /// assert!(w.iter().zip(&w16).all(|(&p, &c)| c.to_bits() == bf16::from_f32(p).to_bits()));
+    /// # Ok::<(), lt_optim::OptimError>(())
+    /// ```
+    pub fn update_with_copy(
+        &mut self,
+        params: &mut [&mut [f32]],
+        copies: &mut [&mut [bf16]],
+        grads: &[Grad<'_>],
+        ctx: &StepCtx,
+        pool: &ThreadPool,
+    ) -> Result<()> {
+        let n = self.tensors.len();
+        for (what, found) in [("parameter", params.len()), ("bf16 copy", copies.len()), ("gradient", grads.len())] {
+            if found != n {
+                return Err(OptimError::LengthMismatch {
+                    what: format!("{}: {what} tensors", self.name),
+                    expected: n,
+                    found,
+                });
+            }
+        }
+        for (((t, p), cp), g) in self.tensors.iter().zip(params.iter()).zip(copies.iter()).zip(grads) {
+            t.check(p.len(), g.len(), ctx.step)?;
+            t.check_copy(cp.len())?;
+        }
+        for (((t, p), cp), g) in self.tensors.iter_mut().zip(params.iter_mut()).zip(copies.iter_mut()).zip(grads) {
+            t.apply(p, Some(cp), *g, ctx, pool);
+        }
+        Ok(())
+    }
+}
+
+/// The kernels for this process, detected once.
+fn kernel_path() -> KernelPath {
+    static PATH: std::sync::OnceLock<KernelPath> = std::sync::OnceLock::new();
+    *PATH.get_or_init(KernelPath::detect)
 }
 
 impl TensorState {
@@ -322,7 +381,35 @@ impl TensorState {
     /// Applies step `ctx` to this tensor alone (what [`ParamGroup::update`] does per tensor).
     pub fn update(&mut self, param: &mut [f32], grad: Grad<'_>, ctx: &StepCtx, pool: &ThreadPool) -> Result<()> {
         self.check(param.len(), grad.len(), ctx.step)?;
-        self.apply(param, grad, ctx, pool);
+        self.apply(param, None, grad, ctx, pool);
+        Ok(())
+    }
+
+    /// [`update`](Self::update), and in the same pass `copy[j] = bf16::from_f32(param[j])` for the
+    /// updated parameters (see [`ParamGroup::update_with_copy`]). `copy` must be as long as
+    /// `param`; lengths and the step are checked before anything is modified.
+    pub fn update_with_copy(
+        &mut self,
+        param: &mut [f32],
+        copy: &mut [bf16],
+        grad: Grad<'_>,
+        ctx: &StepCtx,
+        pool: &ThreadPool,
+    ) -> Result<()> {
+        self.check(param.len(), grad.len(), ctx.step)?;
+        self.check_copy(copy.len())?;
+        self.apply(param, Some(copy), grad, ctx, pool);
+        Ok(())
+    }
+
+    fn check_copy(&self, len: usize) -> Result<()> {
+        if len != self.numel {
+            return Err(OptimError::LengthMismatch {
+                what: format!("{}: bf16 copy", self.name),
+                expected: self.numel,
+                found: len,
+            });
+        }
         Ok(())
     }
 
@@ -348,9 +435,16 @@ impl TensorState {
     }
 
     /// Lengths and step already checked.
-    fn apply(&mut self, param: &mut [f32], grad: Grad<'_>, ctx: &StepCtx, pool: &ThreadPool) {
+    fn apply(
+        &mut self,
+        param: &mut [f32],
+        copy: Option<&mut [bf16]>,
+        grad: Grad<'_>,
+        ctx: &StepCtx,
+        pool: &ThreadPool,
+    ) {
         match &mut self.moments {
-            Moments::Fp32 { m, v } => update_fp32(param, grad, m, v, &ctx.coeffs, pool),
+            Moments::Fp32 { m, v } => update_fp32(param, grad, m, v, copy, &ctx.coeffs, pool),
             Moments::Q8(q) => {
                 let s = Q8Slices {
                     qm: &mut q.qm,
@@ -360,7 +454,7 @@ impl TensorState {
                     block: q.block,
                     maps: q.maps,
                 };
-                update_q8(param, grad, s, &ctx.coeffs, pool, simd_level());
+                update_q8(param, grad, s, copy, &ctx.coeffs, pool, kernel_path());
             }
         }
         self.last_step = ctx.step;

@@ -9,7 +9,7 @@ pub enum SimdLevel {
     Scalar,
     /// x86-64 AVX2 + FMA: auto-vectorised fp32 kernels and a hand-written 8-lane 8-bit kernel.
     Avx2,
-    /// x86-64 AVX-512F + DQ: hand-written 8-bit kernel and auto-vectorised fp32 kernels.
+    /// x86-64 AVX-512F + DQ + BW: hand-written 8-bit kernel and auto-vectorised fp32 kernels.
     Avx512,
 }
 
@@ -43,7 +43,10 @@ pub fn simd_level() -> SimdLevel {
 fn detect() -> SimdLevel {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512dq") {
+        if std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512dq")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+        {
             return SimdLevel::Avx512;
         }
         if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
@@ -51,6 +54,69 @@ fn detect() -> SimdLevel {
         }
     }
     SimdLevel::Scalar
+}
+
+/// Whether the AVX-512 8-bit kernel dequantizes with byte permutes (the VBMI kernel) rather than
+/// gathers. Both give the same bits; which is faster depends on the core (see `kernels`): `vpermi2b`
+/// is one uop on AMD Zen 4, where the permute kernel was tuned, but three uops (2 cycles of
+/// throughput) on Intel cores from Ice Lake to Emerald Rapids, where the gather kernel is 12-19%
+/// faster. So: permutes on AMD CPUs with VBMI, gathers elsewhere; `LT_OPTIM_Q8_DEQUANT=gather` or
+/// `=permute` overrides the choice (the permute kernel still needs VBMI). Read once per process.
+pub(crate) fn q8_permute_dequant() -> bool {
+    static PERMUTE: OnceLock<bool> = OnceLock::new();
+    *PERMUTE.get_or_init(|| {
+        let wanted = match std::env::var("LT_OPTIM_Q8_DEQUANT").ok().as_deref().map(str::trim) {
+            Some("gather") => false,
+            Some("permute") => true,
+            _ => cpu_vendor() == *b"AuthenticAMD",
+        };
+        wanted && has_vbmi()
+    })
+}
+
+/// The name of the 8-bit kernel family in use: `avx512-permute`, `avx512-gather`, `avx2` or
+/// `scalar` (for benchmark reports; see [`simd_level`] and `LT_OPTIM_Q8_DEQUANT`).
+pub fn q8_kernel_name() -> &'static str {
+    match simd_level() {
+        SimdLevel::Avx512 if q8_permute_dequant() => "avx512-permute",
+        SimdLevel::Avx512 => "avx512-gather",
+        SimdLevel::Avx2 => "avx2",
+        SimdLevel::Scalar => "scalar",
+    }
+}
+
+/// The CPUID vendor string (`GenuineIntel`, `AuthenticAMD`, ...); zeros off x86-64.
+fn cpu_vendor() -> [u8; 12] {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: CPUID leaf 0 exists on every x86-64 CPU.
+        #[allow(unused_unsafe)]
+        let r = unsafe { std::arch::x86_64::__cpuid(0) };
+        let mut v = [0u8; 12];
+        v[..4].copy_from_slice(&r.ebx.to_le_bytes());
+        v[4..8].copy_from_slice(&r.edx.to_le_bytes());
+        v[8..].copy_from_slice(&r.ecx.to_le_bytes());
+        v
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        [0; 12]
+    }
+}
+
+/// Whether the CPU has AVX512-BF16 (`vcvtneps2bf16`), used for the bf16 copy of the parameters.
+pub(crate) fn has_avx512bf16() -> bool {
+    static BF16: OnceLock<bool> = OnceLock::new();
+    *BF16.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            std::arch::is_x86_feature_detected!("avx512bf16")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
 }
 
 /// Whether the CPU has AVX-512 VBMI + BW (byte permutes), used to dequantize without gathers.

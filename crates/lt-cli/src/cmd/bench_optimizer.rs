@@ -10,12 +10,20 @@
 //! `adamw`; for `adamw8bit`, one code byte each for `m` and `v` read and written (4) plus the
 //! per-block absmax floats read and written (16 / block size). `state_bytes_per_param` is the
 //! state actually allocated divided by the parameter count.
+//!
+//! `--write-copy bf16` times the update that also writes the bf16 copy of the weights which
+//! streaming uploads (`ParamGroup::update_with_copy`; the copy is filled once before the warm-up
+//! with `lt_optim::fill_bf16`); it adds 2 bytes/param of stores to `bytes_per_param` and reports
+//! `"write_copy": "bf16"` in the JSON (`"none"` otherwise).
 
 use std::time::Instant;
 
 use anyhow::{Context, bail};
 use clap::ValueEnum;
-use lt_optim::{AdamW, AdamWConfig, Grad, OptimizerKind, Quant8Config, StepOutcome, ThreadPool, bf16, simd_level};
+use lt_optim::{
+    AdamW, AdamWConfig, Grad, OptimizerKind, Quant8Config, StepOutcome, ThreadPool, bf16, fill_bf16, q8_kernel_name,
+    simd_level,
+};
 
 /// Which optimizer to benchmark.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -32,6 +40,15 @@ pub enum GradDtype {
     /// 4-byte gradients.
     F32,
     /// 2-byte gradients, as downloaded from the GPU.
+    Bf16,
+}
+
+/// Whether the update also writes a low-precision copy of the weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum WriteCopy {
+    /// Only the fp32 master weights.
+    None,
+    /// Also the bf16 copy that streaming uploads, in the same pass.
     Bf16,
 }
 
@@ -59,6 +76,9 @@ pub struct BenchOptimizerArgs {
     /// Quantization block size for adamw8bit.
     #[arg(long, default_value_t = 256)]
     pub block: usize,
+    /// Also write this copy of the updated weights (the upload copy) in the same pass.
+    #[arg(long, value_enum, default_value = "none")]
+    pub write_copy: WriteCopy,
     /// Print a JSON summary as the last stdout line (human-readable lines go to stderr).
     #[arg(long)]
     pub json: bool,
@@ -74,7 +94,7 @@ fn parse_count(s: &str) -> Result<usize, String> {
     };
     let v: f64 = num.trim().parse().map_err(|_| format!("invalid count {s:?} (examples: 67108864, 64M, 1.5G)"))?;
     let n = v * mult;
-    if !(n.is_finite() && n >= 1.0 && n <= 1e12) {
+    if !(n.is_finite() && (1.0..=1e12).contains(&n)) {
         return Err(format!("count {s:?} out of range (1 ..= 1e12)"));
     }
     Ok(n.round() as usize)
@@ -121,6 +141,11 @@ pub fn run(args: &BenchOptimizerArgs) -> anyhow::Result<()> {
         }
     };
     let norm = lt_optim::grad::sum_squares(grad, &pool).sqrt();
+    let mut copy: Vec<bf16> = Vec::new();
+    if args.write_copy == WriteCopy::Bf16 {
+        copy = vec![bf16::ZERO; n];
+        fill_bf16(&params, &mut copy, &pool).context("filling the bf16 copy")?;
+    }
 
     let mut times = Vec::with_capacity(args.steps);
     for s in 0..args.warmup + args.steps {
@@ -128,13 +153,21 @@ pub fn run(args: &BenchOptimizerArgs) -> anyhow::Result<()> {
         let StepOutcome::Apply(ctx) = opt.begin_step(norm) else {
             bail!("benchmark gradient norm is not finite");
         };
-        opt.groups_mut()[0].update(&mut [&mut params], &[grad], &ctx, &pool).context("optimizer update")?;
+        let group = &mut opt.groups_mut()[0];
+        match args.write_copy {
+            WriteCopy::None => group.update(&mut [&mut params], &[grad], &ctx, &pool),
+            WriteCopy::Bf16 => group.update_with_copy(&mut [&mut params], &mut [&mut copy], &[grad], &ctx, &pool),
+        }
+        .context("optimizer update")?;
         if s >= args.warmup {
             times.push(t0.elapsed().as_secs_f64());
         }
     }
     if !params.iter().all(|p| p.is_finite()) {
         bail!("weights became non-finite during the benchmark");
+    }
+    if copy.iter().zip(&params).any(|(c, &p)| c.to_bits() != bf16::from_f32(p).to_bits()) {
+        bail!("the bf16 copy does not match the updated weights");
     }
     times.sort_by(f64::total_cmp);
     let median = times[times.len() / 2];
@@ -144,7 +177,8 @@ pub fn run(args: &BenchOptimizerArgs) -> anyhow::Result<()> {
         OptimizerKind::AdamW => 16.0,
         OptimizerKind::AdamW8bit(q) => 4.0 + 16.0 / q.block_size as f64,
     };
-    let bytes_per_param = 8.0 + grad_bytes + state_traffic;
+    let copy_bytes = if args.write_copy == WriteCopy::Bf16 { 2.0 } else { 0.0 };
+    let bytes_per_param = 8.0 + grad_bytes + state_traffic + copy_bytes;
     let gparams = n as f64 / median / 1e9;
     let state_bytes_per_param = opt.state_bytes() as f64 / n as f64;
     let name = kind.name();
@@ -152,11 +186,17 @@ pub fn run(args: &BenchOptimizerArgs) -> anyhow::Result<()> {
         GradDtype::F32 => "f32",
         GradDtype::Bf16 => "bf16",
     };
+    let write_copy = match args.write_copy {
+        WriteCopy::None => "none",
+        WriteCopy::Bf16 => "bf16",
+    };
+    // The 8-bit kernel family (the fp32 kernels are auto-vectorised at the same SIMD level).
+    let kernel = if matches!(kind, OptimizerKind::AdamW8bit(_)) { q8_kernel_name() } else { simd_level().name() };
     let human = format!(
-        "{name}: {n} params, {} threads, {dtype} grads, simd {}: median {:.3} ms/step (best {:.3}), {gparams:.3} Gparam/s, \
-         {:.1} GB/s at {bytes_per_param:.2} B/param, state {state_bytes_per_param:.3} B/param",
+        "{name}: {n} params, {} threads, {dtype} grads, copy {write_copy}, kernel {kernel}: median {:.3} ms/step \
+         (best {:.3}), {gparams:.3} Gparam/s, {:.1} GB/s at {bytes_per_param:.2} B/param, state \
+         {state_bytes_per_param:.3} B/param",
         args.threads,
-        simd_level().name(),
         median * 1e3,
         best * 1e3,
         gparams * bytes_per_param,
@@ -170,6 +210,8 @@ pub fn run(args: &BenchOptimizerArgs) -> anyhow::Result<()> {
             "grad_dtype": dtype,
             "block": if matches!(kind, OptimizerKind::AdamW8bit(_)) { Some(args.block) } else { None },
             "simd": simd_level().name(),
+            "kernel": kernel,
+            "write_copy": write_copy,
             "warmup": args.warmup,
             "steps": args.steps,
             "seconds_per_step_median": median,
@@ -199,5 +241,27 @@ mod tests {
         assert!(parse_count("0").is_err());
         assert!(parse_count("many").is_err());
         assert!(parse_count("-3M").is_err());
+    }
+
+    /// A tiny run of each optimizer with the bf16 copy (the run itself checks that the copy
+    /// matches the updated weights).
+    #[test]
+    fn runs_with_the_bf16_copy() {
+        for optimizer in [BenchOptimizer::Adamw, BenchOptimizer::Adamw8bit] {
+            let args = BenchOptimizerArgs {
+                optimizer,
+                params: 70_000,
+                threads: 2,
+                grad_dtype: GradDtype::Bf16,
+                steps: 2,
+                warmup: 1,
+                block: 256,
+                write_copy: WriteCopy::Bf16,
+                json: false,
+            };
+            if let Err(e) = run(&args) {
+                panic!("{optimizer:?} with --write-copy bf16: {e:#}");
+            }
+        }
     }
 }
