@@ -45,6 +45,10 @@ pub struct HardwareProfile {
     pub peak_tflops: f64,
     /// Fraction of `peak_tflops` that a decoder layer achieves on large inputs (0, 1].
     pub efficiency: f64,
+    /// The same for a Gated DeltaNet (linear-attention) layer, whose chunked delta rule runs many
+    /// small `64 x 64` matmuls; absent: `efficiency` (not calibrated for hybrid models).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub linear_efficiency: Option<f64>,
     /// Host optimizer (fp32 AdamW) throughput, billions of parameters per second.
     pub optimizer_gparams_per_s: f64,
     /// GPU memory held outside the plan: CUDA context, allocator slack.
@@ -112,6 +116,14 @@ impl HardwareProfile {
     pub fn flops_per_s(&self, rows: f64) -> f64 {
         let shape = if rows > 0.0 { rows / (rows + self.gemm_half_efficiency_rows.max(0.0)) } else { 0.0 };
         self.peak_tflops * 1e12 * self.efficiency * shape
+    }
+    /// [`HardwareProfile::flops_per_s`] of a linear-attention layer: with `linear_efficiency` when the
+    /// profile has it.
+    pub fn linear_flops_per_s(&self, rows: f64) -> f64 {
+        match self.linear_efficiency {
+            Some(e) if self.efficiency > 0.0 => self.flops_per_s(rows) * e / self.efficiency,
+            _ => self.flops_per_s(rows),
+        }
     }
     /// Optimizer throughput in parameters per second.
     pub fn optimizer_params_per_s(&self) -> f64 {
@@ -215,6 +227,7 @@ fn h800() -> HardwareProfile {
         optimizer_gparams_per_s: 6.5,
         gpu_reserved: default_gpu_reserved(),
         gemm_half_efficiency_rows: default_gemm_half_rows(),
+        linear_efficiency: None,
         compute_dtype_bytes: 2,
     }
 }
@@ -245,6 +258,7 @@ fn rtx3090() -> HardwareProfile {
         optimizer_gparams_per_s: 2.0,
         gpu_reserved: ByteSize::gib(1),
         gemm_half_efficiency_rows: default_gemm_half_rows(),
+        linear_efficiency: None,
         compute_dtype_bytes: 2,
     }
 }
@@ -275,6 +289,7 @@ fn h200() -> HardwareProfile {
         optimizer_gparams_per_s: 3.0,
         gpu_reserved: default_gpu_reserved(),
         gemm_half_efficiency_rows: default_gemm_half_rows(),
+        linear_efficiency: None,
         compute_dtype_bytes: 2,
     }
 }
@@ -310,6 +325,7 @@ fn cpu() -> HardwareProfile {
         optimizer_gparams_per_s: 1.26,
         gpu_reserved: ByteSize(0),
         gemm_half_efficiency_rows: 16.0,
+        linear_efficiency: None,
         compute_dtype_bytes: 4,
     }
 }

@@ -57,13 +57,25 @@ pub const FLUSH_BELOW: f32 = 1e-18;
 /// default everywhere; `Recurrent` remains for cached one-token decoding, where one state update is
 /// all there is, and as the reference for tests and benchmarks. Set it on a context with
 /// [`crate::layer::SeqCtx::with_delta_form`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DeltaForm {
     /// Chunks of [`CHUNK`] tokens in WY form: batched matmuls, one sequential step per chunk.
-    #[default]
     Chunked,
     /// One state update per token ([`crate::ops::gated_delta_rule_with_state`]).
     Recurrent,
+}
+
+impl Default for DeltaForm {
+    /// [`DeltaForm::Chunked`], unless the environment variable `LT_DELTA_FORM=recurrent` asks for the
+    /// reference form (read once per process), so benchmarks of whole runs (`lt bench train`,
+    /// `lt train`) can compare the two.
+    fn default() -> Self {
+        static FORM: std::sync::OnceLock<DeltaForm> = std::sync::OnceLock::new();
+        *FORM.get_or_init(|| match std::env::var("LT_DELTA_FORM").ok().as_deref().map(str::trim) {
+            Some("recurrent") => DeltaForm::Recurrent,
+            _ => DeltaForm::Chunked,
+        })
+    }
 }
 
 impl DeltaForm {

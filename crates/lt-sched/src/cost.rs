@@ -238,6 +238,10 @@ impl Instance {
             .map(|i| {
                 let params = model.layer_numel(i) as u64;
                 let s = layer_shape(model, i, b, t, d, opts.attention);
+                let rate = match model.layer_types[i] {
+                    LayerKind::FullAttention => rate,
+                    LayerKind::LinearAttention => hw.linear_flops_per_s(n),
+                };
                 // Per token: the MLP transient of backward (d gate, d up) and the incoming and outgoing
                 // boundary gradients.
                 let transient = n * d * (2.0 * inter + 2.0 * h);

@@ -11,9 +11,11 @@
 //! - **GEMM** (`peak_tflops`): the best of several square matmuls (bf16 on CUDA, f32 on ndarray) is
 //!   the *achievable* dense peak that the cost model scales.
 //! - **Decoder layer** (`efficiency`): forward and per-layer backward of one real decoder layer on the
-//!   backend, fitted so that lt-sched's cost model (its own FLOP accounting, the default attention
-//!   kernel, the `gemm_half_efficiency_rows` knee) reproduces the measured layer time against the
-//!   measured peak. This is the calibration `docs/architecture.md` asks for.
+//!   backend, fitted so that lt-sched's cost model (its own FLOP accounting, materialised attention as
+//!   the trainer runs it, the `gemm_half_efficiency_rows` knee) reproduces the measured layer time
+//!   against the measured peak. This is the calibration `docs/architecture.md` asks for.
+//! - **Linear-attention layer** (`linear_efficiency`): the same for one Gated DeltaNet layer (chunked
+//!   delta rule), so that hybrid models (Qwen3.5/3.6) are calibrated too.
 //! - **Disk** (`nvme_write_gb_per_s`, `nvme_read_gb_per_s`): lt-storage's spill store (io_uring, O_DIRECT
 //!   where allowed, with its automatic fallbacks) writing then reading back a few large values.
 //! - **Host optimizer** (`optimizer_gparams_per_s`): lt-optim's AdamW update (8-bit by default, as
@@ -194,6 +196,26 @@ fn layer_config(device: DeviceChoice, quick: bool) -> Result<(ModelConfig, usize
     Ok((ModelConfig::from_json_str(&json.to_string())?, seq))
 }
 
+/// The Gated DeltaNet layer used for the linear-attention fit: Qwen3.6-27B's linear-attention layer on
+/// CUDA, a small one on the CPU backends.
+fn linear_layer_config(device: DeviceChoice, quick: bool) -> Result<(ModelConfig, usize)> {
+    let (h, inter, kh, vh, d, seq) = match (device, quick) {
+        (DeviceChoice::Cuda, false) => (5120, 17408, 16, 48, 128, 2048),
+        (DeviceChoice::Cuda, true) => (5120, 17408, 16, 48, 128, 512),
+        (DeviceChoice::Cpu | DeviceChoice::Wgpu, false) => (512, 1536, 4, 8, 64, 256),
+        (DeviceChoice::Cpu | DeviceChoice::Wgpu, true) => (128, 256, 2, 2, 32, 64),
+    };
+    let json = serde_json::json!({
+        "model_type": "qwen3_5_text", "vocab_size": 256, "hidden_size": h, "intermediate_size": inter,
+        "num_hidden_layers": 1, "layer_types": ["linear_attention"], "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 64, "linear_conv_kernel_dim": 4, "linear_key_head_dim": d,
+        "linear_value_head_dim": d, "linear_num_key_heads": kh, "linear_num_value_heads": vh,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": false, "max_position_embeddings": 32768,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+    });
+    Ok((ModelConfig::from_json_str(&json.to_string())?, seq))
+}
+
 /// Everything measured (absent: skipped or not applicable).
 #[derive(Debug, Default, Clone, serde::Serialize)]
 struct Measured {
@@ -216,6 +238,12 @@ struct Measured {
     layer_model_flops: Option<f64>,
     efficiency: Option<f64>,
     efficiency_clamped: bool,
+    linear_layer_fwd_seconds: Option<f64>,
+    linear_layer_bwd_seconds: Option<f64>,
+    linear_layer_tokens: Option<usize>,
+    linear_layer_hidden: Option<usize>,
+    linear_efficiency: Option<f64>,
+    linear_efficiency_clamped: bool,
     nvme_write_gb_per_s: Option<f64>,
     nvme_read_gb_per_s: Option<f64>,
     disk_engine: Option<String>,
@@ -415,6 +443,31 @@ pinned {:.2}), d2h {:.2} GB/s",
         } else {
             say("layer efficiency not fitted: the GEMM measurement was skipped".into());
         }
+        // The linear-attention layer of hybrid models: its chunked delta rule runs many small
+        // matmuls, so it gets its own efficiency.
+        let (cfg, seq) = linear_layer_config(args.device, args.quick)?;
+        let (fwd, bwd) = layer_seconds::<B>(&cfg, seq, device)?;
+        m.linear_layer_fwd_seconds = Some(fwd);
+        m.linear_layer_bwd_seconds = Some(bwd);
+        m.linear_layer_tokens = Some(seq);
+        m.linear_layer_hidden = Some(cfg.hidden_size);
+        say(format!(
+            "linear-attention layer (hidden {}, {} tokens, {dtype}): forward {:.2} ms, backward (with its re-forward) \
+             {:.2} ms",
+            cfg.hidden_size,
+            seq,
+            fwd * 1e3,
+            bwd * 1e3
+        ));
+        if let Some(peak) = m.gemm_tflops {
+            let (eff, _, clamped) = fit_efficiency(&cfg, seq, fwd + bwd, peak, args)?;
+            m.linear_efficiency = Some(eff);
+            m.linear_efficiency_clamped = clamped;
+            say(format!(
+                "linear-attention layer efficiency against the measured GEMM peak: {eff:.3}{}",
+                if clamped { " (clamped)" } else { "" }
+            ));
+        }
     }
     Ok(m)
 }
@@ -527,6 +580,11 @@ fn calibration_exec(seq: usize) -> ExecConfig {
     }
 }
 
+/// The cost model options of the fit: materialised attention, what the trainer runs.
+fn calibration_options() -> CostOptions {
+    CostOptions { attention: lt_sched::cost::AttentionKernel::Materialized, ..Default::default() }
+}
+
 /// The efficiency that makes the cost model's layer time (forward plus backward, as
 /// `lt_sched::cost` defines them) equal `measured` seconds at the measured `peak`. Returns the
 /// efficiency, the cost model's FLOPs of that work, and whether it had to be clamped into (0, 1].
@@ -549,7 +607,8 @@ fn fit_efficiency(
     hw.peak_tflops = peak;
     hw.efficiency = 1.0;
     let ecfg = calibration_exec(seq);
-    let inst = Instance::from_model(cfg, &hw, seq, &ecfg, CostOptions::default())?;
+    hw.linear_efficiency = None;
+    let inst = Instance::from_model(cfg, &hw, seq, &ecfg, calibration_options())?;
     let l = inst.layers.first().context("no layer in the calibration instance")?;
     // With efficiency 1 the model predicts `fwd + bwd` seconds; efficiency scales it inversely.
     let at_full = l.fwd_seconds + l.bwd_seconds;
@@ -803,6 +862,29 @@ lt-sched's cost model reproduces it at the measured peak{}",
         }
         None => field("efficiency", format!("{:?}", p.efficiency), from_base.clone()),
     }
+    match m.linear_efficiency {
+        Some(e) => {
+            p.linear_efficiency = Some(e);
+            field(
+                "linear_efficiency",
+                format!("{e:?}"),
+                format!(
+                    "measured: one Gated DeltaNet layer (hidden {}, {} tokens, chunked delta rule) forward {:.3} ms + \
+                     backward {:.3} ms, fitted like efficiency{}",
+                    m.linear_layer_hidden.unwrap_or(0),
+                    m.linear_layer_tokens.unwrap_or(0),
+                    m.linear_layer_fwd_seconds.unwrap_or(0.0) * 1e3,
+                    m.linear_layer_bwd_seconds.unwrap_or(0.0) * 1e3,
+                    if m.linear_efficiency_clamped { " (clamped into (0, 1])" } else { "" }
+                ),
+            );
+        }
+        None => {
+            if let Some(e) = p.linear_efficiency {
+                field("linear_efficiency", format!("{e:?}"), from_base.clone());
+            }
+        }
+    }
     let opt = match args.optimizer {
         OptimizerChoice::Adamw8bit => m.adamw8bit_gparams_per_s,
         OptimizerChoice::Adamw => m.adamw_gparams_per_s,
@@ -884,17 +966,21 @@ mod tests {
     #[test]
     fn efficiency_fit_reproduces_the_measured_layer_time() {
         let (cfg, seq) = layer_config(DeviceChoice::Cpu, true).unwrap();
+        let (lcfg, lseq) = linear_layer_config(DeviceChoice::Cpu, true).unwrap();
         let a = args(DeviceChoice::Cpu);
         let (eff, _, clamped) = fit_efficiency(&cfg, seq, 0.5, 0.05, &a).unwrap();
-        assert!(!clamped);
-        // Re-predict with the fitted efficiency: the layer takes the measured 0.5 s (1e-9 relative:
-        // the same arithmetic in the other direction).
+        let (leff, _, lclamped) = fit_efficiency(&lcfg, lseq, 0.3, 0.05, &a).unwrap();
+        assert!(!clamped && !lclamped);
+        // Re-predict with the fitted efficiencies: each layer takes its measured time (1e-9 relative:
+        // the same arithmetic in the other direction), and the linear one uses linear_efficiency.
         let mut hw = BuiltinProfile::Cpu.profile();
         hw.peak_tflops = 0.05;
         hw.efficiency = eff;
-        let ecfg = calibration_exec(seq);
-        let inst = Instance::from_model(&cfg, &hw, seq, &ecfg, CostOptions::default()).unwrap();
-        let t = inst.layers[0].fwd_seconds + inst.layers[0].bwd_seconds;
-        assert!((t / 0.5 - 1.0).abs() < 1e-9, "{t}");
+        hw.linear_efficiency = Some(leff);
+        for (c, s, want) in [(&cfg, seq, 0.5), (&lcfg, lseq, 0.3)] {
+            let inst = Instance::from_model(c, &hw, s, &calibration_exec(s), calibration_options()).unwrap();
+            let t = inst.layers[0].fwd_seconds + inst.layers[0].bwd_seconds;
+            assert!((t / want - 1.0).abs() < 1e-9, "{t} vs {want}");
+        }
     }
 }
