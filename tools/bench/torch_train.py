@@ -4,6 +4,8 @@ pre-tokenized batch, on the same number of CPU threads. Package versions: torch 
 transformers 5.24.0.
 
     python3 tools/bench/torch_train.py --make DIR      # write a random tiny Qwen3 + data.jsonl into DIR
+    python3 tools/bench/torch_train.py --make DIR --config configs/bench/hybrid-h256.json --seq 1024
+                                                       # the same from a config.json (random weights)
     python3 tools/bench/torch_train.py --model DIR/model --data DIR/data.jsonl --steps 8 --threads 2
 
 Prints one JSON line: {"tokens_per_s", "step_seconds_median", ...} (warm-up steps excluded).
@@ -18,11 +20,15 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 
-def make(d, seq, rows, seed=0):
-    cfg = AutoConfig.for_model("qwen3", vocab_size=2048, hidden_size=256, intermediate_size=768,
-                               num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2,
-                               head_dim=32, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                               max_position_embeddings=4096, use_cache=False)
+def make(d, seq, rows, seed=0, config=None):
+    if config:
+        cfg = AutoConfig.from_pretrained(config)
+        cfg.use_cache = False
+    else:
+        cfg = AutoConfig.for_model("qwen3", vocab_size=2048, hidden_size=256, intermediate_size=768,
+                                   num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2,
+                                   head_dim=32, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                                   max_position_embeddings=4096, use_cache=False)
     torch.manual_seed(seed)
     m = AutoModelForCausalLM.from_config(cfg).float()
     m.save_pretrained(os.path.join(d, "model"))
@@ -36,6 +42,7 @@ def make(d, seq, rows, seed=0):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--make")
+    ap.add_argument("--config")
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--model")
@@ -47,7 +54,7 @@ def main():
     a = ap.parse_args()
     if a.make:
         os.makedirs(a.make, exist_ok=True)
-        make(a.make, a.seq, a.rows)
+        make(a.make, a.seq, a.rows, config=a.config)
         return
     torch.set_num_threads(a.threads)
     m = AutoModelForCausalLM.from_pretrained(a.model, attn_implementation="eager", dtype=torch.float32)
