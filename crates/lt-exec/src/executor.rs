@@ -508,6 +508,11 @@ impl<B: AutodiffBackend> Executor<B> {
         if self.streams.is_none() {
             self.streams = Some(Streams::new(lt_model::device::stream_mode(&self.device))?);
         }
+        if let Some(s) = &self.streams
+            && let Ok(mut u) = s.used.lock()
+        {
+            u.insert(lt_model::device::current_stream());
+        }
         let model_key = Arc::as_ptr(model) as usize;
         // The step's head, if an earlier micro-batch of this step uploaded it (same model, same version).
         let cached = match self.head.take() {
