@@ -1,40 +1,71 @@
-//! Host -> device tensors for streaming: an fp32 master converted to the backend's float dtype on
-//! several threads, handed to the backend as a staging buffer, then uploaded.
+//! Host -> device tensors for streaming: a layer's host data in the backend's float dtype, handed to
+//! the runtime with as few host copies as the runtime allows.
 //!
-//! A streamed layer is uploaded for its forward and again for its backward, so this runs twice per
-//! layer per step, on the executor's h2d thread, while the device computes. Burn's own path
-//! (`TensorData::new(data.clone())` then a dtype conversion inside `Tensor::from_data`) makes two
-//! single-threaded passes, each into freshly allocated memory that page-faults on first touch; on the
-//! development machine it prepares 0.82 GB/s of fp32 input, about 1.1 s for one Qwen2.5-7B layer.
-//! Here:
-//! - **one pass, several threads:** each thread converts its own range (f32 -> bf16 or f16 with
-//!   round-to-nearest-even, bit for bit what Burn's conversion through `half` gives, bf16 without
-//!   branches so it vectorizes; a plain copy for f32 backends) straight into the output, so the
-//!   first-touch page faults are spread over the threads too ([`PREP_THREADS`] at most, only for
-//!   tensors of [`PAR_MIN`] elements or more);
-//! - **pinned staging:** [`Backend::staging`] then moves the buffer into the backend's staging memory:
-//!   on burn-cuda, cubecl's pool of pinned host memory, so the copy to the device is an asynchronous
-//!   DMA instead of the driver's synchronous bounce through its own pinned buffers (the CPU backends
-//!   ignore it). `LT_PINNED_UPLOADS=0` turns this step off, for comparison or as a workaround.
+//! A streamed layer is uploaded for its forward and again for its backward, twice per layer per step,
+//! from the executor's h2d thread while the device computes. Two sources:
+//! - **the optimizer's bf16 copy** ([`shared_bf16_data`]): on a bf16 device the 8-bit AdamW update
+//!   writes each parameter's bf16 bits in the same pass that writes the fp32 master (lt-optim's
+//!   `update_with_copy`), so an upload converts nothing. The [`TensorData`] shares the copy's
+//!   allocation, and the patched cubecl-runtime (docs/architecture.md, "Patched cubecl-runtime")
+//!   hands it to the server as it is: no host copy of ours or cubecl's before the driver's own;
+//! - **the fp32 master, converted** ([`host_data`]): f32 devices (ndarray, wgpu on most adapters),
+//!   and bf16 without a copy. One pass over several threads: each converts its own range (f32 ->
+//!   bf16 or f16 with round-to-nearest-even, bit for bit what Burn's conversion through `half`
+//!   gives, bf16 without branches so it vectorizes; a plain copy for f32 backends) straight into the
+//!   output, so the first-touch page faults are spread over the threads too ([`PREP_THREADS`] at
+//!   most, only for tensors of [`PAR_MIN`] elements or more). Burn's own path
+//!   (`TensorData::new(data.clone())`, then a conversion inside `Tensor::from_data`) makes two
+//!   single-threaded passes into freshly allocated memory.
+//!
+//! [`Backend::staging`] (cubecl's pinned host pool on burn-cuda) is off unless `LT_PINNED_UPLOADS=1`:
+//! cubecl 0.10's `create` copies a pinned buffer into pageable memory before the DMA (it must: the
+//! pinned block goes back to the pool on drop, while an asynchronous copy may still read it), so
+//! staging added a single-threaded copy and a blocking round trip to the runtime and bought nothing
+//! (cubecl-runtime 0.10.0 `client.rs`, `staging` and `do_create`).
 
 use std::mem::MaybeUninit;
 use std::sync::OnceLock;
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Element, Tensor, TensorData};
+use burn::tensor::{AllocationProperty, Bytes, DType, Element, Tensor, TensorData};
 
 /// At most this many threads convert one tensor.
 pub const PREP_THREADS: usize = 8;
 /// Tensors with fewer elements are converted on the calling thread.
 pub const PAR_MIN: usize = 1 << 20;
 
-/// Whether uploads go through [`Backend::staging`] (default on; `LT_PINNED_UPLOADS=0` or `off`
-/// disables it). Read once per process.
+/// Whether uploads go through [`Backend::staging`] first: off by default (see the module docs for
+/// why), on with `LT_PINNED_UPLOADS=1` (or `on`, `true`) for comparison. Read once per process.
 pub fn pinned_uploads() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| {
-        !matches!(std::env::var("LT_PINNED_UPLOADS").ok().as_deref().map(str::trim), Some("0" | "off" | "false"))
+        matches!(std::env::var("LT_PINNED_UPLOADS").ok().as_deref().map(str::trim), Some("1" | "on" | "true"))
     })
+}
+
+/// A bf16 copy of one fp32 master tensor, shared between the optimizer that keeps it up to date and
+/// the uploads that read it.
+pub type Bf16Copy = std::sync::Arc<Vec<half::bf16>>;
+
+/// `copy` as bf16 [`TensorData`] of shape `shape`, sharing `copy`'s allocation: nothing is converted
+/// or copied here. The data holds a reference to `copy` until the runtime is done with it (cubecl's
+/// `create` on the patched runtime, a conversion on the CPU backends); a writer that wants the
+/// buffer meanwhile gets a fresh one from `Arc::make_mut` instead of racing the upload.
+///
+/// Returns `None` when `shape` does not describe `copy.len()` elements.
+pub fn shared_bf16_data(copy: &Bf16Copy, shape: &[usize]) -> Option<TensorData> {
+    /// Lends the copy's bytes to [`bytes::Bytes`] for as long as the upload holds them.
+    struct Lent(Bf16Copy);
+    impl AsRef<[u8]> for Lent {
+        fn as_ref(&self) -> &[u8] {
+            bytemuck::cast_slice(self.0.as_slice())
+        }
+    }
+    if shape.iter().product::<usize>() != copy.len() {
+        return None;
+    }
+    let bytes = bytes::Bytes::from_owner(Lent(std::sync::Arc::clone(copy)));
+    Some(TensorData::from_bytes(Bytes::from_shared(bytes, AllocationProperty::Other), shape.to_vec(), DType::BF16))
 }
 
 /// The fp32 host values `x` as a [`TensorData`] of shape `shape` and dtype `dtype` (bf16, f16 or
@@ -48,8 +79,7 @@ pub fn host_data(x: &[f32], shape: &[usize], dtype: DType) -> TensorData {
 }
 
 /// Uploads fp32 host values as a device tensor of backend `B`: [`host_data`] in the backend's float
-/// dtype, then [`Backend::staging`] (unless disabled, see [`pinned_uploads`]), then
-/// `Tensor::from_data`.
+/// dtype, then [`Backend::staging`] (if enabled, see [`pinned_uploads`]), then `Tensor::from_data`.
 ///
 /// # Panics
 /// If `shape` has a rank other than `D` or a different number of elements than `x` (programmer
@@ -60,8 +90,8 @@ pub fn upload<B: Backend, const D: usize>(x: &[f32], shape: &[usize], device: &B
     upload_data(host_data(x, shape, <B::FloatElem as Element>::dtype()), device)
 }
 
-/// Uploads host data that is already in its device dtype (an offloaded activation coming back, for
-/// instance): [`Backend::staging`] unless disabled (see [`pinned_uploads`]), then
+/// Uploads host data that is already in its device dtype (an offloaded activation coming back, or
+/// the optimizer's bf16 copy): [`Backend::staging`] if enabled (see [`pinned_uploads`]), then
 /// `Tensor::from_data`.
 pub fn upload_data<B: Backend, const D: usize>(mut data: TensorData, device: &B::Device) -> Tensor<B, D> {
     if pinned_uploads() {
@@ -210,6 +240,26 @@ mod tests {
             assert_eq!(f32_data.dtype, DType::F32);
             assert_eq!(f32_data.as_bytes(), TensorData::new(x.clone(), shape.clone()).as_bytes(), "f32, n = {n}");
         }
+    }
+
+    /// The optimizer's bf16 copy, shared into `TensorData`, is byte for byte the conversion of its
+    /// master, shares the copy's memory instead of copying it, uploads like converted data, and is
+    /// refused for a shape of another size.
+    #[test]
+    fn shared_copy_equals_the_conversion_and_shares_memory() {
+        let x = edge_values(5000);
+        let copy: Bf16Copy = std::sync::Arc::new(x.iter().map(|&v| half::bf16::from_f32(v)).collect());
+        let data = shared_bf16_data(&copy, &[50, 100]).unwrap();
+        assert_eq!(data.dtype, DType::BF16);
+        assert_eq!(data.as_bytes(), host_data(&x, &[50, 100], DType::BF16).as_bytes());
+        assert_eq!(data.as_bytes().as_ptr(), copy.as_ptr().cast::<u8>(), "the data copied the buffer");
+        assert_eq!(std::sync::Arc::strong_count(&copy), 2);
+        let t: Tensor<CpuBackend, 2> = upload_data(data, &Default::default());
+        assert_eq!(std::sync::Arc::strong_count(&copy), 1, "the upload kept the copy");
+        let want: Tensor<CpuBackend, 2> = upload_data(host_data(&x, &[50, 100], DType::BF16), &Default::default());
+        let (got, want) = (t.into_data().to_vec::<f32>().unwrap(), want.into_data().to_vec::<f32>().unwrap());
+        assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())));
+        assert!(shared_bf16_data(&copy, &[50, 99]).is_none());
     }
 
     /// An upload on the CPU backend returns the host values unchanged, in the given shape.

@@ -205,7 +205,11 @@ pub struct PreparedLayer {
 impl PreparedLayer {
     /// Convert `host`'s tensors to `B`'s float dtype.
     pub fn new<B: Backend>(host: &HostLayer, kind: LayerKind) -> Self {
-        let dtype = <B::FloatElem as burn::tensor::Element>::dtype();
+        Self::converted(host, kind, <B::FloatElem as burn::tensor::Element>::dtype())
+    }
+
+    /// Convert `host`'s tensors to `dtype` (bf16, f16 or f32; see [`crate::upload::host_data`]).
+    pub fn converted(host: &HostLayer, kind: LayerKind, dtype: burn::tensor::DType) -> Self {
         let tensors = host
             .specs
             .iter()
@@ -213,6 +217,26 @@ impl PreparedLayer {
             .map(|(s, t)| (s.name.clone(), crate::upload::host_data(&t.data, &t.shape, dtype)))
             .collect();
         Self { kind, tensors }
+    }
+
+    /// `host`'s tensors from their bf16 copies (`copies[k]` of `host.tensors[k]`, kept up to date by
+    /// the optimizer): nothing is converted, and the data shares the copies' memory
+    /// ([`crate::upload::shared_bf16_data`]). Bit for bit what [`Self::converted`] to bf16 gives
+    /// while the copies are current.
+    ///
+    /// Returns `None` when the copies do not match the layer (count or sizes).
+    pub fn from_copies(host: &HostLayer, kind: LayerKind, copies: &[crate::upload::Bf16Copy]) -> Option<Self> {
+        if copies.len() != host.tensors.len() {
+            return None;
+        }
+        let tensors = host
+            .specs
+            .iter()
+            .zip(&host.tensors)
+            .zip(copies)
+            .map(|((s, t), c)| Some((s.name.clone(), crate::upload::shared_bf16_data(c, &t.shape)?)))
+            .collect::<Option<Vec<_>>>()?;
+        Some(Self { kind, tensors })
     }
 
     /// Upload every tensor to `device` and bind them into the layer's weights.
