@@ -57,6 +57,12 @@ pub enum ExecError {
         /// The runtime's error.
         reason: String,
     },
+    /// A slot's bf16 upload copy does not match its tensors (a bug: copies are made from them).
+    #[error("the bf16 upload copy of {what} does not match its tensors")]
+    UploadCopy {
+        /// The layer or head.
+        what: String,
+    },
     /// A worker thread died (a bug).
     #[error("executor worker `{0}` stopped unexpectedly")]
     Worker(&'static str),

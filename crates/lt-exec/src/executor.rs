@@ -30,7 +30,7 @@ use lt_model::device::StreamMode;
 use lt_model::layer::{SeqCtx, layer_backward, layer_forward};
 use lt_model::model::{Batch, shifted_targets, to_vec};
 use lt_model::ops;
-use lt_model::upload::host_data;
+use lt_model::upload::{host_data, shared_bf16_data};
 use lt_model::weights::{LayerWeights, PreparedLayer};
 use lt_optim::grad::sum_squares;
 use lt_optim::{Grad, ThreadPool};
@@ -309,7 +309,21 @@ pub struct Executor<B: AutodiffBackend> {
     streams: Option<Streams>,
     /// The step's head: (model, version) it was uploaded from, and the tensors.
     head: Option<(usize, u64, DeviceHead<Inner<B>>)>,
+    /// The float dtype of uploads: the backend's own unless set ([`Self::with_upload_dtype`]).
+    upload_dtype: DType,
+    /// Whether bf16 uploads read the optimizer-written copies ([`Self::with_optimizer_copy`]).
+    optimizer_copy: bool,
     _b: PhantomData<B>,
+}
+
+/// Whether bf16 uploads read the optimizer-written copy unless told otherwise: yes, except with
+/// `LT_UPLOAD_COPY=0` (or `off`, `false`), which converts the masters at every upload as before
+/// (a fallback and a baseline; read once per process).
+fn optimizer_copy_default() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        !matches!(std::env::var("LT_UPLOAD_COPY").ok().as_deref().map(str::trim), Some("0" | "off" | "false"))
+    })
 }
 
 /// Threads for the d2h stream's gradient accumulation: a quarter of the cores, 1 to 4 (the optimizer
@@ -375,8 +389,38 @@ impl<B: AutodiffBackend> Executor<B> {
             step: 0,
             streams: None,
             head: None,
+            upload_dtype:
+                <<Inner<B> as burn::tensor::backend::BackendTypes>::FloatElem as burn::tensor::Element>::dtype(),
+            optimizer_copy: optimizer_copy_default(),
             _b: PhantomData,
         }
+    }
+
+    /// Upload floats in `dtype` (bf16, f16 or f32) instead of the backend's own float dtype; the
+    /// backend converts them on arrival. With bf16 on an f32 backend, the CPU runs the bf16 upload
+    /// path of a GPU, copies included, which is how the tests check it.
+    pub fn with_upload_dtype(mut self, dtype: DType) -> Self {
+        self.upload_dtype = dtype;
+        self
+    }
+
+    /// Whether bf16 uploads read the bf16 copy that the optimizer writes with the masters (`true`,
+    /// the default unless `LT_UPLOAD_COPY=0`) or convert the fp32 masters at every upload (`false`:
+    /// the older path, kept to compare against and as a fallback).
+    pub fn with_optimizer_copy(mut self, on: bool) -> Self {
+        self.optimizer_copy = on;
+        self
+    }
+
+    /// The float dtype uploads are made in.
+    pub fn upload_dtype(&self) -> DType {
+        self.upload_dtype
+    }
+
+    /// Whether uploads want the model's bf16 copies ([`SharedModel::fill_upload_copies`]): bf16
+    /// uploads with the optimizer copy on. f32 uploads read the masters themselves.
+    pub fn wants_upload_copies(&self) -> bool {
+        self.optimizer_copy && self.upload_dtype == DType::BF16
     }
 
     /// The plan being executed.
@@ -528,7 +572,7 @@ impl<B: AutodiffBackend> Executor<B> {
         let (down_tx, down_rx) = channel::unbounded::<Down>();
         let Some(streams) = self.streams.as_ref() else { return Err(ExecError::Worker("streams")) };
         let mode = streams.mode;
-        let float = <<Inner<B> as burn::tensor::backend::BackendTypes>::FloatElem as burn::tensor::Element>::dtype();
+        let float = self.upload_dtype;
 
         // --- h2d stream ---
         let up = {
@@ -548,27 +592,45 @@ impl<B: AutodiffBackend> Executor<B> {
                             trace.wait_as(Stream::H2d, Stream::Optimizer, step, "wait update head", || {
                                 model.wait_version(HEAD, want_version)
                             });
-                            Ok(trace.span(Stream::H2d, step, format!("prepare {}", &item.to_string()[7..]), || {
+                            trace.span(Stream::H2d, step, format!("prepare {}", &item.to_string()[7..]), || {
                                 let h = model.head.read().unwrap_or_else(|e| e.into_inner());
                                 if item == Upload::Embed {
-                                    Prepared::Embed(gather_embedding(&h.embed_tokens, &ids, hidden, float))
-                                } else {
-                                    let out = h.lm_head.as_ref().unwrap_or(&h.embed_tokens);
-                                    Prepared::Head {
+                                    return Ok(Prepared::Embed(gather_embedding(&h.embed_tokens, &ids, hidden, float)));
+                                }
+                                let out = h.lm_head.as_ref().unwrap_or(&h.embed_tokens);
+                                match model.upload_copy(HEAD) {
+                                    // The copy's order: embedding, norm, then lm_head when untied.
+                                    Some(c) => {
+                                        let shared = |k: usize, t: &lt_model::host::HostTensor| {
+                                            c.get(k).and_then(|c| shared_bf16_data(c, &t.shape))
+                                        };
+                                        let out_k = if h.lm_head.is_some() { 2 } else { 0 };
+                                        match (shared(1, &h.norm), shared(out_k, out)) {
+                                            (Some(norm), Some(out)) => Ok(Prepared::Head { norm, out }),
+                                            _ => Err(ExecError::UploadCopy { what: "the head".into() }),
+                                        }
+                                    }
+                                    None => Ok(Prepared::Head {
                                         norm: host_data(&h.norm.data, &h.norm.shape, float),
                                         out: host_data(&out.data, &out.shape, float),
-                                    }
+                                    }),
                                 }
-                            }))
+                            })
                         }
                         Upload::Layer(i) => {
                             trace.wait_as(Stream::H2d, Stream::Optimizer, step, format!("wait update L{i}"), || {
                                 model.wait_version(layer_slot(i), want_version)
                             });
-                            Ok(trace.span(Stream::H2d, step, format!("prepare L{i}"), || {
+                            trace.span(Stream::H2d, step, format!("prepare L{i}"), || {
                                 let l = model.layers[i].read().unwrap_or_else(|e| e.into_inner());
-                                Prepared::Layer(i, PreparedLayer::new::<Inner<B>>(&l, cfg.layer_types[i]))
-                            }))
+                                let kind = cfg.layer_types[i];
+                                match model.upload_copy(layer_slot(i)) {
+                                    Some(c) => PreparedLayer::from_copies(&l, kind, &c)
+                                        .map(|p| Prepared::Layer(i, p))
+                                        .ok_or_else(|| ExecError::UploadCopy { what: format!("layer {i}") }),
+                                    None => Ok(Prepared::Layer(i, PreparedLayer::converted(&l, kind, float))),
+                                }
+                            })
                         }
                         Upload::Boundary(s) => fetch_act(&acts, spill.as_deref(), &trace, step, s, [b, t, hidden])
                             .map(|d| Prepared::Act(s, d)),

@@ -4,11 +4,22 @@
 //! updates applied). The optimizer thread updates layers in forward order and bumps versions; the
 //! upload stream waits for the version it needs. That is how the update of layer `i` overlaps the
 //! next step's forward of layers `< i` without ever uploading a stale layer.
+//!
+//! On a bf16 device each slot also has a bf16 copy of its masters, the bytes that uploads send
+//! ([`SharedModel::fill_upload_copies`]). The optimizer writes it in the same pass as the masters
+//! and under the same lock, so a version covers both.
 
-use std::sync::{Condvar, Mutex, RwLock};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
 
 use lt_core::ModelConfig;
 use lt_model::host::{HostLayer, HostModel, HostTensor};
+use lt_model::upload::Bf16Copy;
+use lt_optim::{OptimError, ThreadPool, bf16, fill_bf16};
+
+/// The bf16 copies of one slot's tensors, in the slot's tensor order (the head: embedding, norm,
+/// then `lm_head` when untied; a layer: its specs).
+pub type UploadCopy = Vec<Bf16Copy>;
 
 /// Embedding, final norm and untied head.
 #[derive(Debug, Clone, PartialEq)]
@@ -35,6 +46,12 @@ pub struct SharedModel {
     /// Versions: index 0 is the head, `i + 1` is layer `i`.
     versions: Mutex<Vec<u64>>,
     cv: Condvar,
+    /// bf16 upload copies per slot (indexed as versions); `None` until
+    /// [`fill_upload_copies`](Self::fill_upload_copies), and for good on f32 devices, which upload
+    /// the masters themselves.
+    copies: Vec<Mutex<Option<UploadCopy>>>,
+    /// Copies the optimizer found still held by an upload (see [`Self::upload_copy_clones`]).
+    copy_clones: AtomicU64,
 }
 
 /// Index of the head in version calls.
@@ -56,7 +73,63 @@ impl SharedModel {
             layers: host.layers.into_iter().map(RwLock::new).collect(),
             versions: Mutex::new(vec![version; n]),
             cv: Condvar::new(),
+            copies: (0..n).map(|_| Mutex::new(None)).collect(),
+            copy_clones: AtomicU64::new(0),
         }
+    }
+
+    /// Make the bf16 upload copy of every master (on `pool`'s threads), which the optimizer then
+    /// keeps current. Call once, before training starts: after loading or resuming the masters.
+    pub fn fill_upload_copies(&self, pool: &ThreadPool) -> Result<(), OptimError> {
+        let fill = |tensors: &mut dyn Iterator<Item = &HostTensor>| -> Result<UploadCopy, OptimError> {
+            tensors
+                .map(|t| {
+                    let mut c = vec![bf16::ZERO; t.data.len()];
+                    fill_bf16(&t.data, &mut c, pool)?;
+                    Ok(Arc::new(c))
+                })
+                .collect()
+        };
+        {
+            let h = self.head.read().unwrap_or_else(|e| e.into_inner());
+            let c = fill(&mut [&h.embed_tokens, &h.norm].into_iter().chain(h.lm_head.as_ref()))?;
+            *self.copy_slot(HEAD) = Some(c);
+        }
+        for (i, l) in self.layers.iter().enumerate() {
+            let l = l.read().unwrap_or_else(|e| e.into_inner());
+            let c = fill(&mut l.tensors.iter())?;
+            *self.copy_slot(layer_slot(i)) = Some(c);
+        }
+        Ok(())
+    }
+
+    /// Whether uploads read bf16 copies (see [`fill_upload_copies`](Self::fill_upload_copies)).
+    pub fn has_upload_copies(&self) -> bool {
+        self.copies.first().is_some_and(|c| c.lock().map(|c| c.is_some()).unwrap_or(false))
+    }
+
+    /// Slot `slot`'s bf16 copies, shared (cheap: one reference per tensor), if it has them.
+    pub fn upload_copy(&self, slot: usize) -> Option<UploadCopy> {
+        self.copies.get(slot).and_then(|c| c.lock().unwrap_or_else(|e| e.into_inner()).clone())
+    }
+
+    /// How many times the optimizer found a tensor's bf16 copy still held by an upload and wrote a
+    /// fresh buffer instead (correct, but a copy the step order should make unnecessary: a layer is
+    /// updated only after the backward that consumed its last upload). Zero in a healthy run.
+    pub fn upload_copy_clones(&self) -> u64 {
+        self.copy_clones.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn count_copy_clone(&self) {
+        self.copy_clones.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Slot `slot`'s copies, locked for the optimizer to write.
+    ///
+    /// # Panics
+    /// If `slot` is not a slot of this model.
+    pub(crate) fn copy_slot(&self, slot: usize) -> MutexGuard<'_, Option<UploadCopy>> {
+        self.copies[slot].lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// A consistent copy as a [`HostModel`] (for checkpoints and export). Call when no update runs.

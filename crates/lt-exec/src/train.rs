@@ -146,6 +146,11 @@ impl<B: AutodiffBackend> Trainer<B> {
             }
         };
         let pool = ThreadPool::new(opts.threads.max(1)).map_err(ExecError::Optim)?;
+        // A bf16 device uploads the bf16 copy that the optimizer keeps with the masters: made here,
+        // once, from the masters as loaded or resumed.
+        if executor.wants_upload_copies() && !model.has_upload_copies() {
+            model.fill_upload_copies(&pool).map_err(ExecError::Optim)?;
+        }
         // Shapes only: a snapshot would copy every master weight (4 bytes/param) just to size them.
         let grads = Arc::new(HostGrads::zeros_like_shared(&model));
         Ok(Self {
@@ -275,7 +280,7 @@ fn apply_update(
             if let Some(l) = &g.lm_head {
                 gs.push(Grad::F32(l));
             }
-            if let Err(e) = groups[0].update(&mut params, &gs, ctx, pool) {
+            if let Err(e) = update(model, &mut groups[0], &mut params, &mut model.copy_slot(HEAD), &gs, ctx, pool) {
                 result = Err(e.to_string());
             }
         }
@@ -295,7 +300,8 @@ fn apply_update(
             {
                 let mut params: Vec<&mut [f32]> = l.tensors.iter_mut().map(|t| t.data.as_mut_slice()).collect();
                 let gs: Vec<Grad<'_>> = g.iter().map(|x| Grad::F32(x)).collect();
-                if let Err(e) = groups[i + 1].update(&mut params, &gs, ctx, pool) {
+                let mut copy = model.copy_slot(layer_slot(i));
+                if let Err(e) = update(model, &mut groups[i + 1], &mut params, &mut copy, &gs, ctx, pool) {
                     result = Err(e.to_string());
                 }
             }
@@ -306,4 +312,32 @@ fn apply_update(
         model.set_version(layer_slot(i), version);
     }
     result
+}
+
+/// One group's update, writing its bf16 upload copy in the same pass when it has one.
+///
+/// An upload still holding a copy gets to keep it: `Arc::make_mut` then gives the optimizer a fresh
+/// buffer to write. By the step's order that does not happen (a layer is updated only after its
+/// backward, which consumed its last upload), so each one is counted
+/// ([`SharedModel::upload_copy_clones`]).
+fn update(
+    model: &SharedModel,
+    group: &mut lt_optim::ParamGroup,
+    params: &mut [&mut [f32]],
+    copy: &mut Option<crate::state::UploadCopy>,
+    grads: &[Grad<'_>],
+    ctx: &lt_optim::StepCtx,
+    pool: &ThreadPool,
+) -> Result<(), lt_optim::OptimError> {
+    let Some(copy) = copy.as_mut() else { return group.update(params, grads, ctx, pool) };
+    let mut copies: Vec<&mut [lt_optim::bf16]> = copy
+        .iter_mut()
+        .map(|c| {
+            if std::sync::Arc::get_mut(c).is_none() {
+                model.count_copy_clone();
+            }
+            std::sync::Arc::make_mut(c).as_mut_slice()
+        })
+        .collect();
+    group.update_with_copy(params, &mut copies, grads, ctx, pool)
 }
