@@ -21,8 +21,8 @@
 # A failed step is recorded and the next one runs. Needs bash and coreutils only (no jq, no python).
 # Exit status 124, or 137 at the limit, is a timeout; 137 before the limit is a SIGKILL from outside,
 # most likely the kernel's out-of-memory killer ("killed" in the JSON). If the selftest really fails
-# (not a timeout, not a kill), it is run again with LT_PINNED_UPLOADS=0 and, when that passes, the
-# later steps run without pinned upload staging too (recorded as settings.pinned_uploads).
+# (not a timeout, not a kill), it is run again with LT_UPLOAD_COPY=0 and, when that passes, the
+# later steps run without the optimizer-written upload copy too (recorded as settings.upload_copy).
 # Knobs (environment): OUT, DEVICE (cuda; `wgpu` rehearses the script on any machine with a Vulkan
 # driver, lavapipe included, with a small MODEL), BATCH (8), SEQ (1024), STEPS (8), WARMUP (1),
 # MODEL, PAIR_MODEL, PAIR_SEQ (1024), FIXTURES, HW (the built-in profile when `lt profile` fails:
@@ -97,8 +97,8 @@ write_json() {
         printf '  "elapsed_seconds": %d,\n' "$((SECONDS - T0))"
         printf '  "lt": %s,\n' "$(json_str "$LT")"
         printf '  "lt_version": %s,\n' "$(json_str "$LT_VERSION")"
-        printf '  "settings": {"device": %s, "batch_size": %d, "seq_len": %d, "steps": %d, "warmup": %d, "model_config": %s, "pair_model_config": %s, "budget_seconds": %d, "pinned_uploads": %s},\n' \
-            "$(json_str "$DEVICE")" "$BATCH" "$SEQ" "$STEPS" "$WARMUP" "$(json_str "$MODEL")" "$(json_str "$PAIR_MODEL")" "$BUDGET_S" "$(json_str "${PINNED:-on}")"
+        printf '  "settings": {"device": %s, "batch_size": %d, "seq_len": %d, "steps": %d, "warmup": %d, "model_config": %s, "pair_model_config": %s, "budget_seconds": %d, "upload_copy": %s, "pinned_uploads": %s},\n' \
+            "$(json_str "$DEVICE")" "$BATCH" "$SEQ" "$STEPS" "$WARMUP" "$(json_str "$MODEL")" "$(json_str "$PAIR_MODEL")" "$BUDGET_S" "$(json_str "${UPLOAD_COPY:-on}")" "$(json_str "${LT_PINNED_UPLOADS:-off}")"
         printf '  "host": {"nproc": %s, "mem_total_kib": %s, "kernel": %s},\n' \
             "$(nproc 2>/dev/null || echo null)" "${MEM_KIB:-null}" "$(json_str "$(uname -r)")"
         printf '  "nvidia_smi_rc": %d,\n' "$SMI_RC"
@@ -183,23 +183,24 @@ elif [[ $LAST == *'"passed":true'* ]]; then
     SELFTEST="passed"
 fi
 
-# Pinned staging of uploads (LT_PINNED_UPLOADS) has not run on a GPU before: if the selftest really
-# failed (a check failed or it errored; not a timeout, not a kill, which staging would not explain),
-# try it once without; if that passes, the remaining steps run without pinned staging too, so a
-# staging problem cannot cost the benchmark figures (the JSON says which way they were measured).
-PINNED=${LT_PINNED_UPLOADS:-on}
+# The optimizer-written bf16 upload copy (shared with the patched cubecl-runtime, no host copy) has
+# not run on a GPU before: if the selftest really failed (a check failed or it errored; not a
+# timeout, not a kill, which the copy would not explain), try it once with LT_UPLOAD_COPY=0 (convert
+# the masters at each upload, as before); if that passes, the remaining steps run that way too, so a
+# copy problem cannot cost the benchmark figures (the JSON says which way they were measured).
+UPLOAD_COPY=${LT_UPLOAD_COPY:-on}
 if [[ $TIMED_OUT == true ]]; then
     SELFTEST="timed out (see $OUT/logs/selftest.stderr)"
 elif [[ $KILLED == true ]]; then
     SELFTEST="killed, likely out of memory (see $OUT/logs/selftest.stderr)"
 fi
-if [[ $RC -ne 0 && $TIMED_OUT == false && $KILLED == false && $PINNED != 0 ]]; then
-    run_step selftest-unpinned "$SELFTEST_S" env LT_PINNED_UPLOADS=0 "$LT" selftest --device "$DEVICE" \
+if [[ $RC -ne 0 && $TIMED_OUT == false && $KILLED == false && $UPLOAD_COPY != 0 ]]; then
+    run_step selftest-no-copy "$SELFTEST_S" env LT_UPLOAD_COPY=0 "$LT" selftest --device "$DEVICE" \
         --fixtures "$FIXTURES" --json
     if [[ $RC -eq 0 ]]; then
-        export LT_PINNED_UPLOADS=0
-        PINNED=0
-        SELFTEST="failed with pinned uploads, passed without (see $OUT/logs/selftest*.stderr)"
+        export LT_UPLOAD_COPY=0
+        UPLOAD_COPY=0
+        SELFTEST="failed with the optimizer's upload copy, passed without (see $OUT/logs/selftest*.stderr)"
     fi
 fi
 

@@ -148,7 +148,18 @@ impl Sizes {
                 disk_value: 64 << 20,
                 optimizer_params: 32 << 20,
             },
-            (DeviceChoice::Cpu | DeviceChoice::Wgpu, false) => Sizes {
+            // wgpu adapters commonly cap one buffer below 256 MiB (wgpu's default binding limit is
+            // 128 MiB; lavapipe refuses 256 MiB), so its transfers are timed at 64 MiB.
+            (DeviceChoice::Wgpu, false) => Sizes {
+                transfer_bytes: 64 << 20,
+                transfer_reps: 5,
+                gemm_n: 1024,
+                gemm_reps: 3,
+                disk_total: 1 << 30,
+                disk_value: 64 << 20,
+                optimizer_params: 32 << 20,
+            },
+            (DeviceChoice::Cpu, false) => Sizes {
                 transfer_bytes: 256 << 20,
                 transfer_reps: 5,
                 gemm_n: 1024,
@@ -229,6 +240,9 @@ struct Measured {
     h2d_pageable_gb_per_s: Option<f64>,
     /// CUDA: the same from data already in pinned staging memory.
     h2d_pinned_gb_per_s: Option<f64>,
+    /// Host bytes read and written per uploaded byte before the driver's own transfer, on the
+    /// executor's upload path (counted from the path, not measured).
+    host_bytes_per_uploaded_byte: Option<f64>,
     transfer_source: Option<String>,
     transfer_bytes: Option<usize>,
     gemm_tflops: Option<f64>,
@@ -395,19 +409,23 @@ fn measure_backend<B: AutodiffBackend>(
                 m.d2h_gb_per_s = Some(r.d2h);
                 m.h2d_pageable_gb_per_s = Some(r.h2d_pageable);
                 m.h2d_pinned_gb_per_s = Some(r.h2d_pinned);
+                m.host_bytes_per_uploaded_byte = Some(r.host_touch);
                 m.transfer_source = Some(
-                    "uploads: the executor's path from fp32 masters (threaded conversion, pinned staging, copy); \
-downloads: Burn into_data; device dtype, synchronised, best of several"
+                    "uploads: the executor's path (bf16 devices: the optimizer's bf16 copy, shared with the runtime; \
+f32 devices: the fp32 master, one threaded copy); downloads: Burn into_data; device dtype, synchronised, \
+best of several"
                         .into(),
                 );
                 say(format!(
                     "transfers ({}): h2d as the executor uploads {:.2} GB/s (from pageable native data {:.2}, from \
-pinned {:.2}), d2h {:.2} GB/s",
+pinned {:.2}), d2h {:.2} GB/s; host bytes touched per uploaded byte before the driver: {:.1} (counted from \
+the path)",
                     ByteSize(sizes.transfer_bytes as u64),
                     r.h2d_executor,
                     r.h2d_pageable,
                     r.h2d_pinned,
-                    r.d2h
+                    r.d2h,
+                    r.host_touch
                 ));
             }
         }
@@ -498,11 +516,30 @@ struct TransferRates {
     /// The same after `Backend::staging` moved the data into the backend's staging memory (pinned
     /// on CUDA); the staging copy itself is not timed.
     h2d_pinned: f64,
-    /// The executor's whole upload path from an fp32 master (`lt_model::upload::upload`: threaded
-    /// conversion, staging unless `LT_PINNED_UPLOADS=0`, copy), what the planner should assume.
+    /// The executor's whole upload path, what the planner should assume: on a bf16 device from the
+    /// bf16 copy that the optimizer writes (shared with the runtime, nothing converted or copied by
+    /// us), on an f32 device from the fp32 master (one threaded copy); staging only with
+    /// `LT_PINNED_UPLOADS=1`.
     h2d_executor: f64,
     /// `into_data` of the uploaded tensor.
     d2h: f64,
+    /// Host bytes read and written per uploaded byte on the executor's path before the driver's own
+    /// transfer, by construction of that path (see [`host_touch_per_uploaded_byte`]).
+    host_touch: f64,
+}
+
+/// Host bytes read plus written per uploaded byte before the driver's own transfer, on the path the
+/// executor takes for `dtype`. Counted from the path, not measured: from the optimizer's bf16 copy
+/// nothing (the patched cubecl-runtime hands the shared buffer to the server); from an fp32 master, a
+/// conversion (4 read + `elem` written per `elem` uploaded); pinned staging (`LT_PINNED_UPLOADS=1`)
+/// adds a copy into the pinned pool and cubecl's copy of pinned data back into pageable memory (2
+/// bytes each per byte).
+fn host_touch_per_uploaded_byte(dtype: burn::tensor::DType) -> f64 {
+    let staged = if lt_model::upload::pinned_uploads() { 4.0 } else { 0.0 };
+    match dtype {
+        burn::tensor::DType::BF16 => staged,
+        d => (4.0 + d.size() as f64) / d.size() as f64 + staged,
+    }
 }
 
 /// Upload and download bandwidth of `bytes` in the device dtype, three ways for uploads (see
@@ -512,6 +549,14 @@ fn transfers<B: Backend>(device: &B::Device, bytes: usize, reps: usize) -> Resul
     let n = bytes / elem;
     let host: Vec<f32> = (0..n).map(|i| ((i % 1000) as f32) * 1e-3).collect();
     let native = TensorData::new(host.clone(), [n]).convert::<<B as BackendTypes>::FloatElem>();
+    // A bf16 device uploads the optimizer's bf16 copy of the masters, made outside the timing as
+    // the optimizer makes it outside the upload.
+    let dtype = <<B as BackendTypes>::FloatElem as burn::tensor::Element>::dtype();
+    let copy: Option<lt_model::upload::Bf16Copy> = (dtype == burn::tensor::DType::BF16)
+        .then(|| std::sync::Arc::new(host.iter().map(|&x| burn::tensor::bf16::from_f32(x)).collect()));
+    let shared = |c: &lt_model::upload::Bf16Copy| {
+        lt_model::upload::shared_bf16_data(c, &[n]).ok_or_else(|| anyhow::anyhow!("bf16 copy of the wrong size"))
+    };
     // Warm-up: context creation, allocator pages, kernels, the pinned pool.
     let t0: Tensor<B, 1> = Tensor::from_data(native.clone(), device);
     let _ = t0.clone().into_data();
@@ -536,13 +581,22 @@ fn transfers<B: Backend>(device: &B::Device, bytes: usize, reps: usize) -> Resul
         pinned.push(t.elapsed().as_secs_f64());
         drop(z);
         let t = Instant::now();
-        let y: Tensor<B, 1> = lt_model::upload::upload(&host, &[n], device);
+        let y: Tensor<B, 1> = match &copy {
+            Some(c) => lt_model::upload::upload_data(shared(c)?, device),
+            None => lt_model::upload::upload(&host, &[n], device),
+        };
         sync::<B>(device)?;
         exec.push(t.elapsed().as_secs_f64());
         drop(y);
     }
     let gbs = |t: &[f64]| (n * elem) as f64 / best(t) / 1e9;
-    Ok(TransferRates { h2d_pageable: gbs(&up), h2d_pinned: gbs(&pinned), h2d_executor: gbs(&exec), d2h: gbs(&down) })
+    Ok(TransferRates {
+        h2d_pageable: gbs(&up),
+        h2d_pinned: gbs(&pinned),
+        h2d_executor: gbs(&exec),
+        d2h: gbs(&down),
+        host_touch: host_touch_per_uploaded_byte(dtype),
+    })
 }
 
 /// Best achieved TFLOPS of an `n^3` matmul.
