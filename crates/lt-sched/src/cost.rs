@@ -22,7 +22,8 @@
 //!   gradients land (no extra pass).
 //! - **Memory**: two device weight buffers and two gradient buffers of the largest layer, one slot for
 //!   a prefetched boundary; on the host 16 B/param with fp32 AdamW (fp32 master 4, m and v 8, pinned
-//!   bf16 upload copy 2, pinned bf16 gradient landing buffer 2) or 10.03 B/param with 8-bit AdamW
+//!   bf16 upload copy 2 (none on an f32 device, which uploads the master), pinned bf16 gradient
+//!   landing buffer 2) or 10.03 B/param with 8-bit AdamW
 //!   ([`OptimizerState`]), plus 4 B/param of fp32 accumulator when
 //!   accumulating micro-batches, plus four boundary-sized pinned buffers.
 //!
@@ -288,7 +289,11 @@ impl Instance {
         // Four boundary-sized pinned buffers: two NVMe staging buffers, boundary 0 after the host-side
         // embedding gather, and the landing buffer of dx_0.
         let state = HOST_MASTER_BYTES_PER_PARAM + opts.optimizer.bytes_per_param();
-        let host_static = total_params as f64 * (state + 2.0 * d + accum) + 4.0 * a_bytes;
+        // The upload copy (one device-dtype element per param) exists only where the device dtype is
+        // narrower than the fp32 master: on an f32 device the master is uploaded itself (lt-exec's
+        // `SharedModel::fill_upload_copies`).
+        let upload_copy = if d < HOST_MASTER_BYTES_PER_PARAM { d } else { 0.0 };
+        let host_static = total_params as f64 * (state + upload_copy + d + accum) + 4.0 * a_bytes;
         let embed_params = head_params as f64;
         let norm_params = h;
         let (opt_embed, opt_head) = if model.tie_word_embeddings {
