@@ -254,7 +254,9 @@ for i in "${!STEP_JSON[@]}"; do
 done
 echo "  selftest:   $SELFTEST"
 echo "  hardware:   ${HARDWARE:-none}"
-echo "  $(basename "$MODEL" .json) batch $BATCH x seq $SEQ: auto ${TF_AUTO:-?} TFLOPS (${STEP_AUTO:-?} s/step, predicted ${PRED_AUTO:-?}), megatrain ${TF_MT:-?} TFLOPS (${STEP_MT:-?} s/step, predicted ${PRED_MT:-?})"
+MODEL_NAME=$(basename "$MODEL" .json)
+[[ $MODEL_NAME == config ]] && MODEL_NAME=$(basename "$(dirname "$MODEL")")
+echo "  $MODEL_NAME batch $BATCH x seq $SEQ: auto ${TF_AUTO:-?} TFLOPS (${STEP_AUTO:-?} s/step, predicted ${PRED_AUTO:-?}), megatrain ${TF_MT:-?} TFLOPS (${STEP_MT:-?} s/step, predicted ${PRED_MT:-?})"
 echo "  auto/megatrain TFLOPS ratio: ${RATIO:-n/a}"
 echo "  device reserved (auto): after step 2 ${RESERVED2_AUTO:-?} B, after the last ${RESERVED_LAST_AUTO:-?} B; peak RSS ${RSS_AUTO:-?} B"
 echo "  hybrid pair (27B-sized, batch 1 x seq $PAIR_SEQ): ${PAIR_STEP:-?} s/step"
