@@ -57,6 +57,19 @@
 //!   short of the 14 bytes/parameter memory bound.
 //! - The bf16 copy adds about 7% in L2 and 8% at 64M (11% before the copy's lines were
 //!   prefetched; streaming stores were slower).
+//! - Ablations of the gather kernel with the copy (same machine, no PMU counters in this VM, so
+//!   CPU time of the updating thread from `/proc/self/task/*/schedstat`; 131072 parameters in L2,
+//!   1 thread, best of 5 interleaved runs of 1000 steps, ns per 16 parameters; each ablation
+//!   gives wrong results and was only timed): the kernel 19.4-19.7; without division and
+//!   square root 18.3-19.0, so the divider is not the limit; without re-quantization 10.7, so
+//!   the quantization phase is about 45%; each moment's lookup (`lookup`) 3.5-4 (10-11 cycles,
+//!   about 11 uops plus one gather), of which its gather about 1.5; both dequantization gathers
+//!   about 2.5; the per-block set-up of `quantize_pair` under 0.5. Tried, all bit-identical and
+//!   none faster: two 8-lane gathers per lookup instead of one 16-lane gather (21.5, slower);
+//!   the `m` and `v` codes packed with one `vpermt2b` instead of two `vpmovdb` (21.6, slower);
+//!   the `v` scratch offset from `m`'s against 4K aliasing, and dropping the clamp to 1.0 (no
+//!   change). So the kernel is throughput-bound on the vector ports plus gathers, with no
+//!   single phase to overlap or instruction to swap out.
 //!
 //! Every SIMD kernel does the reference's f32 operations in the reference's order, so parameters,
 //! codes and absmax are bit-identical on every path (tested on random data and on edge cases: every
