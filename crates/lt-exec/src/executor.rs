@@ -598,7 +598,7 @@ impl<B: AutodiffBackend> Executor<B> {
                                     return Ok(Prepared::Embed(gather_embedding(&h.embed_tokens, &ids, hidden, float)));
                                 }
                                 let out = h.lm_head.as_ref().unwrap_or(&h.embed_tokens);
-                                match model.upload_copy(HEAD) {
+                                match if float == DType::BF16 { model.upload_copy(HEAD) } else { None } {
                                     // The copy's order: embedding, norm, then lm_head when untied.
                                     Some(c) => {
                                         let shared = |k: usize, t: &lt_model::host::HostTensor| {
@@ -624,7 +624,9 @@ impl<B: AutodiffBackend> Executor<B> {
                             trace.span(Stream::H2d, step, format!("prepare L{i}"), || {
                                 let l = model.layers[i].read().unwrap_or_else(|e| e.into_inner());
                                 let kind = cfg.layer_types[i];
-                                match model.upload_copy(layer_slot(i)) {
+                                // The copies are bf16: an executor uploading another dtype
+                                // (sharing a model with a bf16 one) converts the masters.
+                                match if float == DType::BF16 { model.upload_copy(layer_slot(i)) } else { None } {
                                     Some(c) => PreparedLayer::from_copies(&l, kind, &c)
                                         .map(|p| Prepared::Layer(i, p))
                                         .ok_or_else(|| ExecError::UploadCopy { what: format!("layer {i}") }),
