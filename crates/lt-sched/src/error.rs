@@ -105,8 +105,10 @@ pub enum SchedError {
     },
 }
 
-fn gib(b: u64) -> String {
-    format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
+/// A size in the unit that fits it (KiB, MiB, GiB, TiB), so a tiny model's budget does not read
+/// "0.00 GiB".
+fn size(b: u64) -> String {
+    lt_core::ByteSize(b).to_string()
 }
 
 fn infeasible_message(
@@ -119,14 +121,14 @@ fn infeasible_message(
 ) -> String {
     let mut s = format!("no plan fits batch {batch} x seq {seq} (predicted)");
     if let Some(h) = min_host {
-        s += &format!("; host memory {} is short, at least {} is needed", gib(host), gib(h));
+        s += &format!("; host memory {} is short, at least {} is needed", size(host), size(h));
     }
     match min_gpu {
         Some(g) if g > gpu => {
             s += &format!(
                 "; GPU memory {} is short, the smallest GPU memory that would work is {} ({g} bytes)",
-                gib(gpu),
-                gib(g)
+                size(gpu),
+                size(g)
             )
         }
         Some(_) => {}
@@ -152,5 +154,16 @@ mod tests {
         let m = e.to_string();
         assert!(m.contains("smallest GPU memory that would work is 30.00 GiB"), "{m}");
         assert!(!m.contains('\n'));
+        // Small sizes in small units (a tiny model's budget read "0.00 GiB" before).
+        let small = SchedError::Infeasible {
+            batch_size: 4,
+            seq_len: 20,
+            gpu_memory: 1 << 20,
+            min_gpu_memory: Some(2 << 20),
+            host_memory: 1 << 40,
+            min_host_memory: None,
+        };
+        let m = small.to_string();
+        assert!(m.contains("GPU memory 1.00 MiB is short, the smallest GPU memory that would work is 2.00 MiB"), "{m}");
     }
 }
