@@ -3,9 +3,9 @@
 //!
 //! A streamed layer is uploaded for its forward and again for its backward, twice per layer per step,
 //! from the executor's h2d thread while the device computes. Two sources:
-//! - **the optimizer's bf16 copy** ([`shared_bf16_data`]): on a bf16 device the AdamW update (8-bit or fp32)
-//!   writes each parameter's bf16 bits in the same pass that writes the fp32 master (lt-optim's
-//!   `update_with_copy`), so an upload converts nothing. The [`TensorData`] shares the copy's
+//! - **the optimizer's bf16 copy** ([`shared_bf16_data`]): on a bf16 device the AdamW update (8-bit
+//!   or fp32) writes each parameter's bf16 bits in the same pass that writes the fp32 master
+//!   (lt-optim's `update_with_copy`), so an upload converts nothing. The [`TensorData`] shares the copy's
 //!   allocation, and the patched cubecl-runtime (docs/architecture.md, "Patched cubecl-runtime")
 //!   hands it to the server as it is: no host copy of ours or cubecl's before the driver's own;
 //! - **the fp32 master, converted** ([`host_data`]): f32 devices (ndarray, wgpu on most adapters),
