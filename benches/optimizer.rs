@@ -65,8 +65,10 @@ fn step(opt: &mut AdamW, params: &mut [f32], grad: Grad<'_>, pool: &ThreadPool) 
     }
 }
 
-const KINDS: [(&str, fn() -> OptimizerKind); 2] =
-    [("adamw", || OptimizerKind::AdamW), ("adamw8bit", OptimizerKind::adamw8bit)];
+/// Makes one optimizer kind.
+type MakeKind = fn() -> OptimizerKind;
+
+const KINDS: [(&str, MakeKind); 2] = [("adamw", || OptimizerKind::AdamW), ("adamw8bit", OptimizerKind::adamw8bit)];
 
 fn bench_update(c: &mut Criterion) {
     let n = env_usize("LT_OPTIM_BENCH_PARAMS", 1 << 24);

@@ -1,5 +1,6 @@
 //! The embedded demo end to end, shortened: `lt train` with no model and no data writes every promised
 //! output, and `lt eval` on the exported model reproduces the score training reported.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::process::Command;
 

@@ -1,4 +1,5 @@
 //! `lt logits` end to end: parity on every fixture, and one-line errors on malformed input.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -1,5 +1,6 @@
 //! `lt train` end to end on a committed tiny checkpoint: kill -9 and resume, budget errors,
 //! run-file errors.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};

@@ -737,7 +737,7 @@ impl<B: AutodiffBackend> Executor<B> {
         // --- compute stream (this thread) ---
         let trace = &self.trace;
         let device = &self.device;
-        let run = || -> Result<(f64, Option<DeviceHead<Inner<B>>>), ExecError> {
+        let run = || -> ComputeOutcome<B> {
             let recv = |what: &str| -> Result<Uploaded<Inner<B>>, ExecError> {
                 let h = trace
                     .wait(Stream::H2d, step, format!("wait {what}"), || up_rx.recv())
@@ -888,6 +888,14 @@ fn fetch_act(
     }
 }
 
+/// What the compute stream of one micro-batch returns: its loss share, and the head it uploaded
+/// (kept for the step's next micro-batch).
+type ComputeOutcome<B> = Result<(f64, Option<DeviceHead<Inner<B>>>), ExecError>;
+
+/// What [`head_backward`] returns: the chunk-summed loss, `d x`, and the gradients of the final norm
+/// and of the output projection.
+type HeadBackward<B> = (f64, Tensor<B, 3>, Tensor<B, 1>, Tensor<B, 2>);
+
 /// Chunked head and loss with backward: returns the loss share, d loss / d x_L, and the gradients of
 /// the final norm and the output projection. Logits exist for at most `chunk` tokens at a time and
 /// each chunk's graph is dropped before the next (the anchor kept every chunk alive).
@@ -898,7 +906,7 @@ fn head_backward<B: AutodiffBackend>(
     labels: &[Vec<i64>],
     denom: usize,
     chunk: usize,
-) -> (f64, Tensor<Inner<B>, 3>, Tensor<Inner<B>, 1>, Tensor<Inner<B>, 2>) {
+) -> HeadBackward<Inner<B>> {
     let [b, t, h] = x.dims();
     let n = b * t;
     let device = x.device();

@@ -2,6 +2,7 @@
 //!
 //! Tolerance: relative to the largest entry of each gradient, 1e-5 (f32; streamed and full-graph
 //! paths run the same kernels, differing only in how upstream gradients are summed).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

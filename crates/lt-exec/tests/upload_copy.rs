@@ -4,6 +4,7 @@
 //! losses, same gradient norms, same masters, every step, under several plans, both optimizers,
 //! and with gradient accumulation and the overlapped update. After every step the copy equals
 //! `bf16::from_f32` of the masters, and no upload ever still holds a copy when its layer is updated.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

@@ -361,7 +361,7 @@ impl Settings {
             return Err(bad("seq-len", "must be >= 2"));
         }
         if let Some(m) = o.micro_batch_size
-            && (m == 0 || batch_size % m != 0)
+            && (m == 0 || !batch_size.is_multiple_of(m))
         {
             return Err(bad("micro-batch-size", "must divide --batch-size"));
         }
