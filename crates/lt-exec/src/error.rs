@@ -40,7 +40,7 @@ pub enum ExecError {
     Optim(lt_optim::OptimError),
     /// The optimizer update failed on its thread.
     #[error("optimizer update failed: {0}")]
-    OptimizerFailed(String),
+    OptimizerFailed(#[source] lt_optim::OptimError),
     /// A checkpoint does not belong to this model.
     #[error("{path}: cannot resume: {reason}")]
     CheckpointMismatch {

@@ -106,7 +106,7 @@ pub struct Trainer<B: AutodiffBackend> {
     pool: Arc<ThreadPool>,
     opts: TrainOptions,
     completed: u64,
-    pending: Option<JoinHandle<Result<(), String>>>,
+    pending: Option<JoinHandle<Result<(), lt_optim::OptimError>>>,
 }
 
 fn group_names(model: &SharedModel) -> Vec<(String, Vec<(String, usize)>)> {
@@ -262,7 +262,7 @@ fn apply_update(
     trace: &Trace,
     outcome: StepOutcome,
     version: u64,
-) -> Result<(), String> {
+) -> Result<(), lt_optim::OptimError> {
     let mut o = optim.lock().unwrap_or_else(|e| e.into_inner());
     let groups = o.groups_mut();
     let mut result = Ok(());
@@ -281,7 +281,7 @@ fn apply_update(
                 gs.push(Grad::F32(l));
             }
             if let Err(e) = update(model, &mut groups[0], &mut params, &mut model.copy_slot(HEAD), &gs, ctx, pool) {
-                result = Err(e.to_string());
+                result = Err(e);
             }
         }
         g.embed_tokens.fill(0.0);
@@ -302,7 +302,7 @@ fn apply_update(
                 let gs: Vec<Grad<'_>> = g.iter().map(|x| Grad::F32(x)).collect();
                 let mut copy = model.copy_slot(layer_slot(i));
                 if let Err(e) = update(model, &mut groups[i + 1], &mut params, &mut copy, &gs, ctx, pool) {
-                    result = Err(e.to_string());
+                    result = Err(e);
                 }
             }
             for p in g.iter_mut() {
