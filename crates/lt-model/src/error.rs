@@ -37,6 +37,12 @@ pub enum ModelError {
         /// Vocabulary size.
         vocab: usize,
     },
+    /// A layer's weights lack a required tensor (the relative name, e.g. `self_attn.q_proj.weight`).
+    #[error("layer tensor `{name}` is missing")]
+    MissingParam {
+        /// The tensor's name relative to its layer.
+        name: &'static str,
+    },
     /// Inputs of inconsistent shape (ragged batch, labels not aligned, empty batch).
     #[error("{source_name}: {reason}")]
     BadBatch {

@@ -61,10 +61,11 @@ macro_rules! param_struct {
                 }
             }
 
-            /// Bind from a source. Returns the first missing required name on failure.
-            pub fn load<S: ParamSource<B>>(src: &mut S) -> Result<Self, &'static str> {
+            /// Bind from a source. Fails with [`ModelError::MissingParam`](crate::ModelError::MissingParam)
+            /// naming the first missing required tensor.
+            pub fn load<S: ParamSource<B>>(src: &mut S) -> Result<Self, crate::ModelError> {
                 Ok(Self {
-                    $( $field: src.get::<$rank>($pname).ok_or($pname)?, )*
+                    $( $field: src.get::<$rank>($pname).ok_or(crate::ModelError::MissingParam { name: $pname })?, )*
                     $( $ofield: src.get::<$orank>($opname), )*
                 })
             }
@@ -186,7 +187,7 @@ impl<B: Backend> LayerWeights<B> {
         };
         match (common, mixer) {
             (Ok(common), Ok(mixer)) => Self { common, mixer },
-            (Err(name), _) | (_, Err(name)) => panic!("host layer lacks `{name}` (not validated?)"),
+            (Err(e), _) | (_, Err(e)) => panic!("{e} (the host layer was not validated?)"),
         }
     }
 }
