@@ -376,7 +376,7 @@ impl Settings {
             weight_decay: o.weight_decay.unwrap_or(0.01),
             max_grad_norm: (max_grad_norm > 0.0).then_some(max_grad_norm),
         };
-        adamw.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
+        adamw.validate()?;
         let out = match &o.out {
             Some(p) => p.clone(),
             None => PathBuf::from("lt-runs").join(timestamp()),
