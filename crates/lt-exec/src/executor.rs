@@ -316,16 +316,6 @@ pub struct Executor<B: AutodiffBackend> {
     _b: PhantomData<B>,
 }
 
-/// Whether bf16 uploads read the optimizer-written copy unless told otherwise: yes, except with
-/// `LT_UPLOAD_COPY=0` (or `off`, `false`), which converts the masters at every upload as before
-/// (a fallback and a baseline; read once per process).
-fn optimizer_copy_default() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
-        !matches!(std::env::var("LT_UPLOAD_COPY").ok().as_deref().map(str::trim), Some("0" | "off" | "false"))
-    })
-}
-
 /// Threads for the d2h stream's gradient accumulation: a quarter of the cores, 1 to 4 (the optimizer
 /// and the upload conversion want the rest).
 fn d2h_threads() -> usize {
@@ -391,7 +381,7 @@ impl<B: AutodiffBackend> Executor<B> {
             head: None,
             upload_dtype:
                 <<Inner<B> as burn::tensor::backend::BackendTypes>::FloatElem as burn::tensor::Element>::dtype(),
-            optimizer_copy: optimizer_copy_default(),
+            optimizer_copy: lt_model::upload::upload_copy(),
             _b: PhantomData,
         }
     }
@@ -598,7 +588,7 @@ impl<B: AutodiffBackend> Executor<B> {
                                     return Ok(Prepared::Embed(gather_embedding(&h.embed_tokens, &ids, hidden, float)));
                                 }
                                 let out = h.lm_head.as_ref().unwrap_or(&h.embed_tokens);
-                                match if float == DType::BF16 { model.upload_copy(HEAD) } else { None } {
+                                match bf16_copy(&model, HEAD, float) {
                                     // The copy's order: embedding, norm, then lm_head when untied.
                                     Some(c) => {
                                         let shared = |k: usize, t: &lt_model::host::HostTensor| {
@@ -624,9 +614,7 @@ impl<B: AutodiffBackend> Executor<B> {
                             trace.span(Stream::H2d, step, format!("prepare L{i}"), || {
                                 let l = model.layers[i].read().unwrap_or_else(|e| e.into_inner());
                                 let kind = cfg.layer_types[i];
-                                // The copies are bf16: an executor uploading another dtype
-                                // (sharing a model with a bf16 one) converts the masters.
-                                match if float == DType::BF16 { model.upload_copy(layer_slot(i)) } else { None } {
+                                match bf16_copy(&model, layer_slot(i), float) {
                                     Some(c) => PreparedLayer::from_copies(&l, kind, &c)
                                         .map(|p| Prepared::Layer(i, p))
                                         .ok_or_else(|| ExecError::UploadCopy { what: format!("layer {i}") }),
@@ -834,6 +822,13 @@ impl<B: AutodiffBackend> Executor<B> {
         let sq = sq??;
         Ok(MicroBatchResult { loss, grad_sq_sum: sq, peak_device_bytes: peak })
     }
+}
+
+/// Slot `slot`'s optimizer-written copies when uploads are bf16 and the model keeps them. The copies
+/// are bf16: an executor uploading another dtype (sharing a model with a bf16 one) converts the
+/// masters instead.
+fn bf16_copy(model: &SharedModel, slot: usize, upload: DType) -> Option<crate::state::UploadCopy> {
+    if upload == DType::BF16 { model.upload_copy(slot) } else { None }
 }
 
 /// The rows of `ids` gathered from the host embedding as `[B, T, hidden]` data in `dtype`: only the

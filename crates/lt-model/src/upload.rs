@@ -38,9 +38,25 @@ pub const PAR_MIN: usize = 1 << 20;
 /// why), on with `LT_PINNED_UPLOADS=1` (or `on`, `true`) for comparison. Read once per process.
 pub fn pinned_uploads() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| {
-        matches!(std::env::var("LT_PINNED_UPLOADS").ok().as_deref().map(str::trim), Some("1" | "on" | "true"))
-    })
+    *ON.get_or_init(|| env_switch("LT_PINNED_UPLOADS", false))
+}
+
+/// Whether bf16 uploads read the optimizer-written copy ([`shared_bf16_data`]): on by default, off
+/// with `LT_UPLOAD_COPY=0` (or `off`, `false`), which converts the masters at every upload instead
+/// (a fallback and a baseline). Read once per process.
+pub fn upload_copy() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| env_switch("LT_UPLOAD_COPY", true))
+}
+
+/// An on/off environment switch: `default`, unless the variable says the opposite (`1`, `on`,
+/// `true` turn it on; `0`, `off`, `false` turn it off; anything else keeps the default).
+fn env_switch(name: &str, default: bool) -> bool {
+    match std::env::var(name).ok().as_deref().map(str::trim) {
+        Some("1" | "on" | "true") => true,
+        Some("0" | "off" | "false") => false,
+        _ => default,
+    }
 }
 
 /// A bf16 copy of one fp32 master tensor, shared between the optimizer that keeps it up to date and
