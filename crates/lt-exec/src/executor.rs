@@ -39,7 +39,7 @@ use crate::budget::DeviceBudget;
 use crate::error::ExecError;
 use crate::grads::{HostGrads, accumulate_data};
 use crate::plan::{ExecPlan, Placement, Upload};
-use crate::state::{HEAD, SharedModel, layer_slot};
+use crate::state::{HEAD, HeadHost, SharedModel, layer_slot};
 use crate::trace::{Stream, Trace};
 
 type Inner<B> = <B as AutodiffBackend>::InnerBackend;
@@ -589,13 +589,11 @@ impl<B: AutodiffBackend> Executor<B> {
                                 }
                                 let out = h.lm_head.as_ref().unwrap_or(&h.embed_tokens);
                                 match bf16_copy(&model, HEAD, float) {
-                                    // The copy's order: embedding, norm, then lm_head when untied.
                                     Some(c) => {
                                         let shared = |k: usize, t: &lt_model::host::HostTensor| {
                                             c.get(k).and_then(|c| shared_bf16_data(c, &t.shape))
                                         };
-                                        let out_k = if h.lm_head.is_some() { 2 } else { 0 };
-                                        match (shared(1, &h.norm), shared(out_k, out)) {
+                                        match (shared(HeadHost::NORM, &h.norm), shared(h.out_index(), out)) {
                                             (Some(norm), Some(out)) => Ok(Prepared::Head { norm, out }),
                                             _ => Err(ExecError::UploadCopy { what: "the head".into() }),
                                         }

@@ -32,6 +32,23 @@ pub struct HeadHost {
     pub lm_head: Option<HostTensor>,
 }
 
+impl HeadHost {
+    /// Position of the final norm in [`tensors`](Self::tensors) order.
+    pub const NORM: usize = 1;
+
+    /// The head's tensors in slot order, which is also the optimizer group's and the upload copy's:
+    /// embedding, final norm, then `lm_head` when untied.
+    pub fn tensors(&self) -> impl Iterator<Item = &HostTensor> {
+        [&self.embed_tokens, &self.norm].into_iter().chain(self.lm_head.as_ref())
+    }
+
+    /// Position of the output projection in [`tensors`](Self::tensors) order: `lm_head` when untied,
+    /// else the embedding.
+    pub fn out_index(&self) -> usize {
+        if self.lm_head.is_some() { 2 } else { 0 }
+    }
+}
+
 /// The model's fp32 masters, shareable across threads.
 #[derive(Debug)]
 pub struct SharedModel {
@@ -92,7 +109,7 @@ impl SharedModel {
         };
         {
             let h = self.head.read().unwrap_or_else(|e| e.into_inner());
-            let c = fill(&mut [&h.embed_tokens, &h.norm].into_iter().chain(h.lm_head.as_ref()))?;
+            let c = fill(&mut h.tensors())?;
             *self.copy_slot(HEAD) = Some(c);
         }
         for (i, l) in self.layers.iter().enumerate() {

@@ -81,8 +81,9 @@ fn copies_are_current(model: &SharedModel) {
             );
         }
     };
+    let head = model.head.read().unwrap().clone();
+    check("head", head.tensors().collect(), HEAD);
     let snap = model.snapshot();
-    check("head", [&snap.embed_tokens, &snap.norm].into_iter().chain(snap.lm_head.as_ref()).collect(), HEAD);
     for (i, l) in snap.layers.iter().enumerate() {
         check(&format!("layer {i}"), l.tensors.iter().collect(), layer_slot(i));
     }
