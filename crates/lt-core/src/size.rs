@@ -5,10 +5,34 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
-/// A number of bytes, parsed from human input and printed in binary units.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, Default)]
+/// A number of bytes, parsed from human input and printed in binary units. Serialized as a plain
+/// byte count; read from either a count (`25769803776`) or a size string (`"24GiB"`, as run files
+/// and profiles write it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Default)]
 #[serde(transparent)]
 pub struct ByteSize(pub u64);
+
+impl<'de> Deserialize<'de> for ByteSize {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = ByteSize;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a byte count or a size such as \"24GiB\"")
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<ByteSize, E> {
+                Ok(ByteSize(v))
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<ByteSize, E> {
+                u64::try_from(v).map(ByteSize).map_err(|_| E::custom(format!("size {v} is negative")))
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<ByteSize, E> {
+                v.parse().map_err(E::custom)
+            }
+        }
+        d.deserialize_any(Visitor)
+    }
+}
 
 /// Error from parsing a [`ByteSize`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -90,6 +114,16 @@ impl fmt::Display for ByteSize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reads_counts_and_size_strings_and_writes_counts() {
+        let v: Vec<ByteSize> = serde_json::from_str(r#"[4096, "24GiB", "80GB"]"#).unwrap();
+        assert_eq!(v, [ByteSize(4096), ByteSize::gib(24), ByteSize(80_000_000_000)]);
+        assert_eq!(serde_json::to_string(&ByteSize::mib(1)).unwrap(), "1048576");
+        let e = serde_json::from_str::<ByteSize>(r#""24 furlongs""#).unwrap_err().to_string();
+        assert!(e.contains("24 furlongs"), "{e}");
+        assert!(serde_json::from_str::<ByteSize>("-1").is_err());
+    }
 
     #[test]
     fn parses_decimal_binary_and_bare() {

@@ -24,8 +24,9 @@ use lt_core::hardware::{BuiltinProfile, HardwareProfile};
 
 use crate::SchedError;
 
-/// Where a profile comes from.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Where a profile comes from. Written as a built-in name or a path, in flags and files alike.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(try_from = "String", into = "String")]
 pub enum HardwareSpec {
     /// A built-in profile.
     Builtin(BuiltinProfile),
@@ -49,6 +50,29 @@ impl FromStr for HardwareSpec {
             field: "hardware",
             reason: format!("{s:?} is neither a built-in profile (h800, rtx3090, h200, cpu) nor a .toml file"),
         })
+    }
+}
+
+impl std::fmt::Display for HardwareSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Builtin(b) => write!(f, "{b}"),
+            Self::File(p) => write!(f, "{}", p.display()),
+        }
+    }
+}
+
+impl TryFrom<String> for HardwareSpec {
+    type Error = SchedError;
+
+    fn try_from(s: String) -> Result<Self, Self::Error> {
+        s.parse()
+    }
+}
+
+impl From<HardwareSpec> for String {
+    fn from(spec: HardwareSpec) -> String {
+        spec.to_string()
     }
 }
 
