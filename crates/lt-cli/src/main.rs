@@ -9,12 +9,9 @@
 use clap::{Parser, Subcommand};
 
 mod cmd;
-mod device;
-mod evaluate;
-mod fsutil;
-mod plot;
+mod failure;
+mod procmem;
 mod progress;
-mod spill;
 mod timing;
 
 /// LazyTrain-rs: fine-tune Qwen models larger than your GPU by streaming layers from host memory.

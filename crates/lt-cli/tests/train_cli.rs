@@ -1,10 +1,9 @@
-//! `lt train` end to end on a committed tiny checkpoint: kill -9 and resume, budget errors,
-//! run-file errors.
+//! `lt train` on a committed tiny checkpoint: budget errors and run-file errors, as the command
+//! reports them. (Kill -9 and resume is a cross-crate test: the workspace's `tests/kill_and_resume.rs`.)
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tools/fixtures")
@@ -43,56 +42,6 @@ fn losses(metrics: &Path) -> Vec<(u64, f64)> {
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
         .filter_map(|v| Some((v.get("step")?.as_u64()?, v.get("loss")?.as_f64()?)))
         .collect()
-}
-
-/// `kill -9` at several points of a `--save-every 1` run, then `--resume`: the run finishes and
-/// every step's loss equals the uninterrupted run's (it is bit-exact; the bar is rel 1e-5).
-#[test]
-fn kill_9_then_resume_reproduces_the_uninterrupted_run() {
-    let steps = 24;
-    let dir = tempfile::tempdir().unwrap();
-    let straight = dir.path().join("straight");
-    let st = Command::new(env!("CARGO_BIN_EXE_lt")).args(base_args(&straight, steps)).output().unwrap();
-    assert!(st.status.success(), "{}", String::from_utf8_lossy(&st.stderr));
-    let want = losses(&straight.join("metrics.jsonl"));
-    assert_eq!(want.len(), steps as usize);
-
-    for (attempt, wait_lines) in [3usize, 9, 15].into_iter().enumerate() {
-        let out = dir.path().join(format!("killed-{attempt}"));
-        let mut args = base_args(&out, steps);
-        args.extend(["--save-every".into(), "1".into()]);
-        let mut child = Command::new(env!("CARGO_BIN_EXE_lt"))
-            .args(&args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        // Kill once a few steps are done: the kill lands somewhere in the next step or save.
-        let t0 = Instant::now();
-        let metrics = out.join("metrics.jsonl");
-        while t0.elapsed() < Duration::from_secs(60) {
-            let n = std::fs::read_to_string(&metrics).map(|t| t.lines().count()).unwrap_or(0);
-            if n >= wait_lines {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(2));
-        }
-        // SIGKILL, as `kill -9` sends.
-        child.kill().unwrap();
-        child.wait().unwrap();
-        let mut resume = base_args(&out, steps);
-        resume.extend(["--save-every".into(), "1".into(), "--resume".into()]);
-        let st = Command::new(env!("CARGO_BIN_EXE_lt")).args(&resume).output().unwrap();
-        let err = String::from_utf8_lossy(&st.stderr);
-        assert!(st.status.success(), "resume failed: {err}");
-        assert!(err.contains("resumed from") || err.contains("no checkpoint"), "{err}");
-        let got = losses(&metrics);
-        assert_eq!(got.len(), want.len(), "attempt {attempt}: one line per step after resume");
-        for ((s1, a), (s2, b)) in got.iter().zip(&want) {
-            assert_eq!(s1, s2);
-            assert!(((a - b) / b).abs() <= 1e-5, "attempt {attempt} step {s1}: {a} vs {b}");
-        }
-    }
 }
 
 #[test]

@@ -35,6 +35,15 @@ impl DeviceChoice {
     }
 }
 
+/// The built-in hardware profile a benchmark on `device` predicts for when none is given: `h200` on
+/// CUDA, `cpu` otherwise (wgpu has no built-in profile: `lt profile --device wgpu` measures one).
+pub fn default_profile(device: DeviceChoice) -> lt_core::hardware::BuiltinProfile {
+    match device {
+        DeviceChoice::Cuda => lt_core::hardware::BuiltinProfile::H200,
+        DeviceChoice::Cpu | DeviceChoice::Wgpu => lt_core::hardware::BuiltinProfile::Cpu,
+    }
+}
+
 /// The error for a backend this binary was built without.
 pub fn not_built(device: DeviceChoice) -> anyhow::Error {
     let d = device.name();

@@ -10,7 +10,8 @@ use lt_core::{LayerKind, ModelConfig};
 use lt_model::DeltaForm;
 use lt_sched::cost::{CostOptions, ExecConfig, Instance};
 
-use crate::device::DeviceChoice;
+use lt_run::device::{DeviceChoice, default_profile};
+use lt_sched::hardware::HardwareSpec;
 
 /// Which layer of the config to time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -63,7 +64,7 @@ pub struct BenchLayerArgs {
     /// Hardware profile for the cost model's predicted times (built-in name or TOML file)
     /// [default: cpu on cpu and wgpu, h200 on cuda].
     #[arg(long, value_name = "NAME|FILE")]
-    pub hardware: Option<String>,
+    pub hardware: Option<HardwareSpec>,
     /// Print one JSON object as the last stdout line.
     #[arg(long)]
     pub json: bool,
@@ -105,11 +106,11 @@ pub fn run(args: &BenchLayerArgs) -> Result<()> {
         }
         #[cfg(feature = "wgpu")]
         DeviceChoice::Wgpu => {
-            let device = crate::device::wgpu()?;
+            let device = lt_run::device::wgpu()?;
             crate::timing::layer_times::<lt_model::WgpuAutodiff>(&cfg, index, b, t, form, w, r, &device)?
         }
         #[allow(unreachable_patterns)]
-        d => return Err(crate::device::not_built(d)),
+        d => return Err(lt_run::device::not_built(d)),
     };
     report(args, &cfg, index, want, form, &times)
 }
@@ -126,9 +127,7 @@ fn report(
     let (b, t) = (args.batch_size as usize, args.seq_len as usize);
     // FLOPs are the cost model's count for this layer (materialised attention, as trained); its
     // times are predictions on the chosen profile.
-    let hardware =
-        args.hardware.clone().unwrap_or_else(|| if args.device == DeviceChoice::Cuda { "h200" } else { "cpu" }.into());
-    let spec: lt_sched::hardware::HardwareSpec = hardware.parse()?;
+    let spec = args.hardware.clone().unwrap_or(HardwareSpec::Builtin(default_profile(args.device)));
     let hw = lt_sched::hardware::load_profile(&spec)?;
     let exec = ExecConfig {
         micro_batch_size: b,

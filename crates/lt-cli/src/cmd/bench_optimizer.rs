@@ -109,29 +109,14 @@ pub fn run(args: &BenchOptimizerArgs) -> anyhow::Result<()> {
         bail!("--threads must be at least 1");
     }
     let n = args.params;
-    let kind = match args.optimizer {
-        BenchOptimizer::Adamw => OptimizerKind::AdamW,
-        BenchOptimizer::Adamw8bit => {
-            OptimizerKind::AdamW8bit(Quant8Config { block_size: args.block, ..Default::default() })
-        }
-    };
+    let kind = optimizer_kind(args);
     // Clipping on (scale < 1 every step) so the fused clip multiply is part of what is timed.
     let cfg = AdamWConfig { max_grad_norm: Some(1.0), ..Default::default() };
     let mut opt = AdamW::new(cfg, kind).context("creating the optimizer")?;
     opt.add_group("bench", &[("w", n)]).context("registering the parameter group")?;
     let pool = ThreadPool::new(args.threads).context("starting worker threads")?;
 
-    // Deterministic pseudo-random weights and gradients with a spread of magnitudes, so that
-    // absmax and codes vary across blocks as in training.
-    let mut rng = 0x9E37_79B9_7F4A_7C15u64;
-    let mut next = move || {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        ((rng >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    };
-    let mut params: Vec<f32> = (0..n).map(|_| 0.05 * next()).collect();
-    let g32: Vec<f32> = (0..n).map(|i| next() * 10f32.powi(-((i / 4096) as i32 % 4))).collect();
+    let (mut params, g32) = synthetic_inputs(n);
     let g16: Vec<bf16>;
     let grad = match args.grad_dtype {
         GradDtype::F32 => Grad::F32(&g32),
@@ -147,6 +132,53 @@ pub fn run(args: &BenchOptimizerArgs) -> anyhow::Result<()> {
         fill_bf16(&params, &mut copy, &pool).context("filling the bf16 copy")?;
     }
 
+    let mut times = time_steps(args, &mut opt, &mut params, &mut copy, grad, norm, &pool)?;
+    if !params.iter().all(|p| p.is_finite()) {
+        bail!("weights became non-finite during the benchmark");
+    }
+    if copy.iter().zip(&params).any(|(c, &p)| c.to_bits() != bf16::from_f32(p).to_bits()) {
+        bail!("the bf16 copy does not match the updated weights");
+    }
+    times.sort_by(f64::total_cmp);
+    report(args, kind, times[times.len() / 2], times[0], opt.state_bytes());
+    Ok(())
+}
+
+/// The optimizer kind `--optimizer` (and `--block`) selects.
+fn optimizer_kind(args: &BenchOptimizerArgs) -> OptimizerKind {
+    match args.optimizer {
+        BenchOptimizer::Adamw => OptimizerKind::AdamW,
+        BenchOptimizer::Adamw8bit => {
+            OptimizerKind::AdamW8bit(Quant8Config { block_size: args.block, ..Default::default() })
+        }
+    }
+}
+
+/// Deterministic pseudo-random weights and fp32 gradients with a spread of magnitudes, so that
+/// absmax and codes vary across blocks as in training.
+fn synthetic_inputs(n: usize) -> (Vec<f32>, Vec<f32>) {
+    let mut rng = 0x9E37_79B9_7F4A_7C15u64;
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        ((rng >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    };
+    let params: Vec<f32> = (0..n).map(|_| 0.05 * next()).collect();
+    let g32: Vec<f32> = (0..n).map(|i| next() * 10f32.powi(-((i / 4096) as i32 % 4))).collect();
+    (params, g32)
+}
+
+/// Runs the warm-up and timed steps; returns the timed steps' durations in seconds.
+fn time_steps(
+    args: &BenchOptimizerArgs,
+    opt: &mut AdamW,
+    params: &mut [f32],
+    copy: &mut [bf16],
+    grad: Grad<'_>,
+    norm: f64,
+    pool: &ThreadPool,
+) -> anyhow::Result<Vec<f64>> {
     let mut times = Vec::with_capacity(args.steps);
     for s in 0..args.warmup + args.steps {
         let t0 = Instant::now();
@@ -155,23 +187,21 @@ pub fn run(args: &BenchOptimizerArgs) -> anyhow::Result<()> {
         };
         let group = &mut opt.groups_mut()[0];
         match args.write_copy {
-            WriteCopy::None => group.update(&mut [&mut params], &[grad], &ctx, &pool),
-            WriteCopy::Bf16 => group.update_with_copy(&mut [&mut params], &mut [&mut copy], &[grad], &ctx, &pool),
+            WriteCopy::None => group.update(&mut [&mut *params], &[grad], &ctx, pool),
+            WriteCopy::Bf16 => group.update_with_copy(&mut [&mut *params], &mut [&mut *copy], &[grad], &ctx, pool),
         }
         .context("optimizer update")?;
         if s >= args.warmup {
             times.push(t0.elapsed().as_secs_f64());
         }
     }
-    if !params.iter().all(|p| p.is_finite()) {
-        bail!("weights became non-finite during the benchmark");
-    }
-    if copy.iter().zip(&params).any(|(c, &p)| c.to_bits() != bf16::from_f32(p).to_bits()) {
-        bail!("the bf16 copy does not match the updated weights");
-    }
-    times.sort_by(f64::total_cmp);
-    let median = times[times.len() / 2];
-    let best = times[0];
+    Ok(times)
+}
+
+/// Prints the human-readable summary and, with `--json`, the JSON line (median and best step
+/// seconds, optimizer state bytes allocated).
+fn report(args: &BenchOptimizerArgs, kind: OptimizerKind, median: f64, best: f64, state_bytes: usize) {
+    let n = args.params;
     let grad_bytes = if args.grad_dtype == GradDtype::F32 { 4.0 } else { 2.0 };
     let state_traffic = match kind {
         OptimizerKind::AdamW => 16.0,
@@ -180,7 +210,7 @@ pub fn run(args: &BenchOptimizerArgs) -> anyhow::Result<()> {
     let copy_bytes = if args.write_copy == WriteCopy::Bf16 { 2.0 } else { 0.0 };
     let bytes_per_param = 8.0 + grad_bytes + state_traffic + copy_bytes;
     let gparams = n as f64 / median / 1e9;
-    let state_bytes_per_param = opt.state_bytes() as f64 / n as f64;
+    let state_bytes_per_param = state_bytes as f64 / n as f64;
     let name = kind.name();
     let dtype = match args.grad_dtype {
         GradDtype::F32 => "f32",
@@ -226,7 +256,6 @@ pub fn run(args: &BenchOptimizerArgs) -> anyhow::Result<()> {
     } else {
         println!("{human}");
     }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -15,7 +15,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context, bail};
-use lt_storage::spill::{EngineChoice, EngineKind, SpillBuf, SpillConfig, SpillStore, Ticket};
+use lt_storage::spill::{EngineChoice, EngineKind, SpillBuf, SpillConfig, SpillReport, SpillStore, Ticket};
 
 /// Spill engine to benchmark.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -108,39 +108,14 @@ pub fn run(args: &BenchSpillArgs) -> anyhow::Result<()> {
     let total = args.size_mib << 20;
     let value = (args.value_mib << 20).min(total as usize);
     let n_values = total.div_ceil(value as u64);
-    let len_of = |k: u64| -> usize { (total - k * value as u64).min(value as u64) as usize };
 
-    let cfg = SpillConfig {
-        engine: match args.engine {
-            SpillEngineArg::IoUring => EngineChoice::IoUring,
-            SpillEngineArg::Pread => EngineChoice::Pread,
-            SpillEngineArg::Mmap => EngineChoice::Mmap,
-        },
-        request_size: args.request_kib << 10,
-        queue_depth: args.queue_depth,
-        direct_io: !args.buffered,
-        register_buffers: !args.no_register,
-        pool_bytes: args.inflight * value,
-        ..SpillConfig::new(&args.dir, n_values * value as u64)
-    };
+    let cfg = spill_config(args, value, n_values);
     let t_setup = Instant::now();
     let store = SpillStore::open(cfg).with_context(|| format!("opening a spill store in {}", args.dir.display()))?;
     let setup_s = t_setup.elapsed().as_secs_f64();
     let report = store.report().clone();
     if !args.json {
-        eprintln!(
-            "spill bench: {} MiB via {} (requested {:?}), {} KiB requests, queue depth {}, O_DIRECT {}, registered buffers {}",
-            args.size_mib,
-            report.engine,
-            args.engine,
-            args.request_kib,
-            report.queue_depth,
-            report.direct_io,
-            report.registered_buffers
-        );
-        for f in &report.fallbacks {
-            eprintln!("note: {f}");
-        }
+        announce(args, &report);
     }
 
     let mut free: Vec<SpillBuf> =
@@ -152,8 +127,61 @@ pub fn run(args: &BenchSpillArgs) -> anyhow::Result<()> {
         }
     }
 
-    // Write phase.
-    let pb = progress(total, args.json);
+    let write_s = write_phase(&store, &mut free, total, value, args.json)?;
+    let (read_s, bad_blocks) = read_phase(&store, &mut free, total, n_values, args.json)?;
+    if bad_blocks > 0 {
+        bail!("read-back verification failed: {bad_blocks} blocks of 4 KiB carry the wrong tag");
+    }
+    print_results(args, &report, total, value, Seconds { setup: setup_s, write: write_s, read: read_s });
+    Ok(())
+}
+
+/// The spill store configuration the flags ask for, sized for `n_values` values of `value` bytes.
+fn spill_config(args: &BenchSpillArgs, value: usize, n_values: u64) -> SpillConfig {
+    SpillConfig {
+        engine: match args.engine {
+            SpillEngineArg::IoUring => EngineChoice::IoUring,
+            SpillEngineArg::Pread => EngineChoice::Pread,
+            SpillEngineArg::Mmap => EngineChoice::Mmap,
+        },
+        request_size: args.request_kib << 10,
+        queue_depth: args.queue_depth,
+        direct_io: !args.buffered,
+        register_buffers: !args.no_register,
+        pool_bytes: args.inflight * value,
+        ..SpillConfig::new(&args.dir, n_values * value as u64)
+    }
+}
+
+/// Prints (to stderr) what the store actually opened with, and its fallbacks.
+fn announce(args: &BenchSpillArgs, report: &SpillReport) {
+    eprintln!(
+        "spill bench: {} MiB via {} (requested {:?}), {} KiB requests, queue depth {}, O_DIRECT {}, registered buffers {}",
+        args.size_mib,
+        report.engine,
+        args.engine,
+        args.request_kib,
+        report.queue_depth,
+        report.direct_io,
+        report.registered_buffers
+    );
+    for f in &report.fallbacks {
+        eprintln!("note: {f}");
+    }
+}
+
+/// Writes `total` bytes as tagged values of `value` bytes through the buffers in `free` (all back
+/// in `free` afterwards); returns the seconds taken.
+fn write_phase(
+    store: &SpillStore,
+    free: &mut Vec<SpillBuf>,
+    total: u64,
+    value: usize,
+    quiet: bool,
+) -> anyhow::Result<f64> {
+    let n_values = total.div_ceil(value as u64);
+    let len_of = |k: u64| -> usize { (total - k * value as u64).min(value as u64) as usize };
+    let pb = progress(total, quiet);
     pb.set_message("write");
     let mut pending: VecDeque<Ticket<SpillBuf>> = VecDeque::new();
     let t0 = Instant::now();
@@ -178,9 +206,19 @@ pub fn run(args: &BenchSpillArgs) -> anyhow::Result<()> {
     }
     let write_s = t0.elapsed().as_secs_f64();
     pb.finish_and_clear();
+    Ok(write_s)
+}
 
-    // Read phase.
-    let pb = progress(total, args.json);
+/// Reads the `n_values` values back into the buffers in `free`, checking every tag; returns the
+/// seconds taken and the number of 4 KiB blocks with a wrong tag.
+fn read_phase(
+    store: &SpillStore,
+    free: &mut Vec<SpillBuf>,
+    total: u64,
+    n_values: u64,
+    quiet: bool,
+) -> anyhow::Result<(f64, usize)> {
+    let pb = progress(total, quiet);
     pb.set_message("read");
     let mut bad_blocks = 0usize;
     let mut pending: VecDeque<(u64, Ticket<SpillBuf>)> = VecDeque::new();
@@ -196,20 +234,32 @@ pub fn run(args: &BenchSpillArgs) -> anyhow::Result<()> {
         if free.is_empty()
             && let Some((pk, t)) = pending.pop_front()
         {
-            finish(pk, t, &mut free)?;
+            finish(pk, t, free)?;
         }
         let buf = free.pop().context("no free buffer")?;
         pending.push_back((k, store.submit_get_into(k, buf).context("submitting a spill read")?));
     }
     while let Some((pk, t)) = pending.pop_front() {
-        finish(pk, t, &mut free)?;
+        finish(pk, t, free)?;
     }
     let read_s = t1.elapsed().as_secs_f64();
     pb.finish_and_clear();
-    if bad_blocks > 0 {
-        bail!("read-back verification failed: {bad_blocks} blocks of 4 KiB carry the wrong tag");
-    }
+    Ok((read_s, bad_blocks))
+}
 
+/// Wall-clock seconds of the three phases.
+struct Seconds {
+    /// Opening the store (create + fallocate + probe).
+    setup: f64,
+    /// The write phase.
+    write: f64,
+    /// The read-back phase.
+    read: f64,
+}
+
+/// Prints the figures (stderr, unless `--json`) and the JSON line (stdout).
+fn print_results(args: &BenchSpillArgs, report: &SpillReport, total: u64, value: usize, s: Seconds) {
+    let Seconds { setup: setup_s, write: write_s, read: read_s } = s;
     let mib = total as f64 / f64::from(1u32 << 20);
     let (write_mib_s, read_mib_s) = (mib / write_s, mib / read_s);
     let note = match report.engine {
@@ -242,7 +292,6 @@ pub fn run(args: &BenchSpillArgs) -> anyhow::Result<()> {
         "note": note,
     });
     println!("{out}");
-    Ok(())
 }
 
 #[cfg(test)]

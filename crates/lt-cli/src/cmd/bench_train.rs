@@ -1,5 +1,5 @@
 //! `lt bench train`: streamed training throughput on a randomly initialised model (nothing to
-//! download), with exactly the machinery `lt train` runs: [`super::train::choose_plan`], the
+//! download), with exactly the machinery `lt train` runs: [`lt_run::choose_plan`], the
 //! [`Executor`] and the [`Trainer`].
 //!
 //! Every position of every row is a real, trained token (random ids), so the published formula
@@ -17,27 +17,26 @@
 //! as a crash.
 
 use std::io::BufRead;
-use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Result;
 use burn::tensor::backend::AutodiffBackend;
 use lt_core::{ByteSize, ModelConfig};
 use lt_exec::ExecError;
-use lt_exec::executor::Executor;
 use lt_exec::plan::{ExecPlan, Placement};
 use lt_exec::state::SharedModel;
 use lt_exec::train::{LrSchedule, StepMetrics, TrainOptions, Trainer};
 use lt_model::host::HostModel;
 use lt_model::model::Batch;
 use lt_optim::{OptimizerKind, Quant8Config};
-use lt_sched::SchedError;
 use lt_sched::cost::{AttentionKernel, CostOptions, ExecConfig, Instance};
 
-use super::train::{OptimizerChoice, Policy, RunFile, Settings, choose_plan};
-use crate::device::DeviceChoice;
+use lt_run::{ChosenPlan, DeviceChoice, OptimizerChoice, Policy, RunConfig, RunSettings, choose_plan, executor_for};
+
+use crate::failure::{FailKind, Failure, catch_panics, fail};
+use crate::procmem::{mem_available, vm_hwm, vm_rss};
 
 /// Arguments of `lt bench train`.
 #[derive(Debug, Clone, clap::Args)]
@@ -76,16 +75,8 @@ pub struct BenchTrainArgs {
     /// Compute device.
     #[arg(long, value_enum, default_value = "cpu")]
     pub device: DeviceChoice,
-    /// Planner hardware profile: h800, rtx3090, h200, cpu, or a .toml file (e.g. from `lt profile`)
-    /// [default: cpu for --device cpu, h200 for --device cuda].
-    #[arg(long, value_name = "NAME|FILE")]
-    pub hardware: Option<String>,
-    /// Device memory budget, e.g. 80GB, 24GiB [default: the hardware profile's].
-    #[arg(long, value_name = "SIZE")]
-    pub gpu_memory: Option<ByteSize>,
-    /// Host memory the planner may use [default: the hardware profile's].
-    #[arg(long, value_name = "SIZE")]
-    pub host_memory: Option<ByteSize>,
+    #[command(flatten)]
+    pub hw: lt_run::config::HardwareArgs,
     /// Optimizer state precision.
     #[arg(long, value_enum, default_value = "adamw8bit")]
     pub optimizer: OptimizerChoice,
@@ -108,140 +99,6 @@ pub struct BenchTrainArgs {
     /// Print only the JSON line on stdout (no human summary on stderr).
     #[arg(long)]
     pub json: bool,
-}
-
-/// Why a benchmark did not produce a result.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum FailKind {
-    /// The device budget (or the real device) is too small.
-    DeviceMemory,
-    /// Host memory cannot hold the masters, gradients and optimizer state.
-    HostMemory,
-    /// The planner found no plan for another reason.
-    Infeasible,
-    /// Anything else (bad flags, unreadable files, a bug).
-    Error,
-}
-
-impl FailKind {
-    fn name(self) -> &'static str {
-        match self {
-            FailKind::DeviceMemory => "device_memory",
-            FailKind::HostMemory => "host_memory",
-            FailKind::Infeasible => "infeasible",
-            FailKind::Error => "error",
-        }
-    }
-
-    fn exit_code(self) -> i32 {
-        if self == FailKind::Error { 1 } else { 2 }
-    }
-}
-
-/// A classified failure.
-#[derive(Debug)]
-pub(crate) struct Failure {
-    /// What kind of failure.
-    pub(crate) kind: FailKind,
-    /// One line saying what went wrong.
-    pub(crate) message: String,
-}
-
-impl std::fmt::Display for Failure {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.message)
-    }
-}
-
-impl Failure {
-    fn new(kind: FailKind, message: impl Into<String>) -> Self {
-        Self { kind, message: message.into() }
-    }
-
-    /// Classify an error by the typed causes in its chain.
-    pub(crate) fn from_error(e: &anyhow::Error) -> Self {
-        let mut kind = FailKind::Error;
-        for cause in e.chain() {
-            if let Some(x) = cause.downcast_ref::<ExecError>()
-                && matches!(x, ExecError::OutOfDeviceMemory { .. })
-            {
-                kind = FailKind::DeviceMemory;
-                break;
-            }
-            if let Some(SchedError::Infeasible { gpu_memory, min_gpu_memory, min_host_memory, .. }) =
-                cause.downcast_ref::<SchedError>()
-            {
-                kind = if min_host_memory.is_some() {
-                    FailKind::HostMemory
-                } else if min_gpu_memory.is_some_and(|m| m > *gpu_memory) {
-                    FailKind::DeviceMemory
-                } else {
-                    FailKind::Infeasible
-                };
-                break;
-            }
-        }
-        Self { kind, message: crate::error_line(e) }
-    }
-}
-
-/// Whether a panic message is a device allocator running out of memory.
-fn is_oom(msg: &str) -> bool {
-    let m = msg.to_ascii_lowercase();
-    ["out of memory", "out-of-memory", "outofmemory", "out_of_memory"].iter().any(|k| m.contains(k))
-}
-
-/// The first panic message seen while [`catch_panics`] runs (from any thread).
-static PANIC_MESSAGE: Mutex<Option<String>> = Mutex::new(None);
-
-/// Run `f`, turning a panic (on this thread, or one recorded from a worker thread that `f` then
-/// reported as an error) into a classified [`Failure`]. Backends report device out-of-memory by
-/// panicking; this is where that becomes `kind: device_memory` instead of a crash.
-pub(crate) fn catch_panics<T>(f: impl FnOnce() -> Result<T, Failure>) -> Result<T, Failure> {
-    if let Ok(mut m) = PANIC_MESSAGE.lock() {
-        *m = None;
-    }
-    let previous = std::panic::take_hook();
-    std::panic::set_hook(Box::new(|info| {
-        let text = info.payload_as_str().unwrap_or("(non-text panic payload)");
-        let at = info.location().map(|l| format!(" at {}:{}", l.file(), l.line())).unwrap_or_default();
-        if let Ok(mut m) = PANIC_MESSAGE.lock()
-            && m.is_none()
-        {
-            // One line, and short: cubecl's messages carry whole backtraces.
-            let mut line: String = text.split_whitespace().collect::<Vec<_>>().join(" ");
-            if line.len() > 400 {
-                let cut = (0..=400).rev().find(|&i| line.is_char_boundary(i)).unwrap_or(0);
-                line.truncate(cut);
-                line.push_str(" ...");
-            }
-            *m = Some(format!("{line}{at}"));
-        }
-    }));
-    let out = std::panic::catch_unwind(AssertUnwindSafe(f));
-    std::panic::set_hook(previous);
-    let recorded = PANIC_MESSAGE.lock().ok().and_then(|mut m| m.take());
-    let oom = |p: &str| Failure::new(FailKind::DeviceMemory, format!("device out of memory: {p}"));
-    match out {
-        Ok(Ok(v)) => Ok(v),
-        Ok(Err(e)) => match recorded {
-            None => Err(e),
-            Some(p) if is_oom(&p) => Err(oom(&p)),
-            Some(p) => Err(Failure::new(e.kind, format!("{} (a worker panicked: {p})", e.message))),
-        },
-        Err(_) => match recorded {
-            Some(p) if is_oom(&p) => Err(oom(&p)),
-            Some(p) => Err(Failure::new(FailKind::Error, format!("internal error (panic): {p}"))),
-            None => Err(Failure::new(FailKind::Error, "internal error (a panic without a message)")),
-        },
-    }
-}
-
-/// Print a failure as the last stdout line and exit with its code.
-fn fail(f: &Failure) -> ! {
-    eprintln!("error: {}", f.message);
-    println!("{}", serde_json::json!({"error": f.message, "kind": f.kind.name()}));
-    std::process::exit(f.kind.exit_code());
 }
 
 /// Run the command.
@@ -268,21 +125,17 @@ pub(crate) fn model_name(path: &Path) -> String {
     p.file_stem().map_or_else(|| p.display().to_string(), |s| s.to_string_lossy().into_owned())
 }
 
-fn settings(args: &BenchTrainArgs) -> Result<Settings> {
+fn settings(args: &BenchTrainArgs) -> Result<RunSettings> {
     if args.steps == 0 {
         anyhow::bail!("--steps: must be > 0");
     }
-    let hardware = args.hardware.clone().unwrap_or_else(|| {
-        match args.device {
-            // wgpu has no built-in profile: `lt profile --device wgpu` measures one.
-            DeviceChoice::Cpu | DeviceChoice::Wgpu => "cpu",
-            DeviceChoice::Cuda => "h200",
-        }
-        .into()
-    });
+    let hw = lt_run::config::HardwareArgs {
+        hardware: Some(args.hw.spec(lt_run::device::default_profile(args.device))),
+        ..args.hw.clone()
+    };
     // Every field `choose_plan` and the trainer read is set here, so `resolve`'s demo defaults
     // (used because neither --model nor --data is given) never apply.
-    let file = RunFile {
+    let file = RunConfig {
         steps: Some(args.warmup + args.steps),
         batch_size: Some(args.batch_size),
         micro_batch_size: args.micro_batch_size,
@@ -294,16 +147,14 @@ fn settings(args: &BenchTrainArgs) -> Result<Settings> {
         optimizer: Some(args.optimizer),
         seed: Some(args.seed),
         policy: Some(args.policy),
-        gpu_memory: args.gpu_memory,
-        host_memory: args.host_memory,
-        hardware: Some(hardware),
+        hw,
         device: Some(args.device),
         threads: args.threads,
         serial_optimizer: args.serial_optimizer,
         spill_dir: args.spill_dir.clone(),
-        ..RunFile::default()
+        ..RunConfig::default()
     };
-    Settings::resolve(&file)
+    RunSettings::resolve(&file)
 }
 
 /// Bytes of optimizer state `kind` allocates for a tensor of `n` elements (see lt-optim's
@@ -342,34 +193,6 @@ pub(crate) fn host_bytes_needed(
     }
     let acts = (host_boundaries * micro * seq * cfg.hidden_size * act_elem_bytes) as u64;
     8 * params + state + acts
-}
-
-/// A `/proc` field in kB, as bytes.
-fn proc_kb(file: &str, field: &str) -> Option<u64> {
-    let f = std::fs::File::open(file).ok()?;
-    for line in std::io::BufReader::new(f).lines() {
-        let line = line.ok()?;
-        if let Some(rest) = line.strip_prefix(field).and_then(|r| r.strip_prefix(':')) {
-            let kb: u64 = rest.trim().trim_end_matches("kB").trim().parse().ok()?;
-            return Some(kb * 1024);
-        }
-    }
-    None
-}
-
-/// `MemAvailable` from /proc/meminfo (None where there is no /proc).
-pub(crate) fn mem_available() -> Option<u64> {
-    proc_kb("/proc/meminfo", "MemAvailable")
-}
-
-/// This process's peak resident set (`VmHWM` from /proc/self/status).
-pub(crate) fn vm_hwm() -> Option<u64> {
-    proc_kb("/proc/self/status", "VmHWM")
-}
-
-/// This process's resident set size now (VmRSS), bytes.
-fn vm_rss() -> Option<u64> {
-    proc_kb("/proc/self/status", "VmRSS")
 }
 
 /// What one benchmark run measured.
@@ -440,7 +263,7 @@ fn bench(args: &BenchTrainArgs) -> Result<Report, Failure> {
     let cfg = ModelConfig::from_path(path).map_err(|e| err(e.into()))?;
     let s = settings(args).map_err(err)?;
     let chosen = choose_plan(&s, &cfg).map_err(err)?;
-    let micro = chosen.micro_batch_size.clamp(1, s.batch_size);
+    let micro = chosen.micro_batch_size;
     if !args.json {
         eprintln!("{}", chosen.summary);
     }
@@ -476,11 +299,11 @@ activations) but only {} is available (MemAvailable)",
         DeviceChoice::Cuda => bench_on::<lt_model::CudaAutodiff>(args, &s, &cfg, &chosen, need, Default::default()),
         #[cfg(feature = "wgpu")]
         DeviceChoice::Wgpu => {
-            let device = crate::device::wgpu().map_err(|e| Failure::new(FailKind::Error, e.to_string()))?;
+            let device = lt_run::device::wgpu().map_err(|e| Failure::new(FailKind::Error, e.to_string()))?;
             bench_on::<lt_model::WgpuAutodiff>(args, &s, &cfg, &chosen, need, device)
         }
         #[allow(unreachable_patterns)]
-        d => Err(Failure::new(FailKind::Error, crate::device::not_built(d).to_string())),
+        d => Err(Failure::new(FailKind::Error, lt_run::device::not_built(d).to_string())),
     }
 }
 
@@ -576,48 +399,45 @@ impl Drop for TempDir {
     }
 }
 
+/// What the timed loop measured.
+struct Measured {
+    /// The timed steps (warm-up excluded).
+    timed: Vec<StepMetrics>,
+    /// Every step's loss, warm-up included.
+    losses: Vec<f64>,
+    /// Device memory the runtime reserved over the executor's streams after every step.
+    reserved: Vec<Option<u64>>,
+    /// Host RSS after every step.
+    rss: Vec<Option<u64>>,
+    /// nvidia-smi's largest sample (CUDA only).
+    sampled_peak: Option<u64>,
+    /// Seconds to initialise the random weights.
+    init_seconds: f64,
+}
+
 fn bench_on<B: AutodiffBackend>(
     args: &BenchTrainArgs,
-    s: &Settings,
+    s: &RunSettings,
     cfg: &ModelConfig,
-    chosen: &super::train::Chosen,
+    chosen: &ChosenPlan,
     host_need: u64,
     device: <B::InnerBackend as burn::tensor::backend::BackendTypes>::Device,
 ) -> Result<Report, Failure> {
     let err = |e: anyhow::Error| Failure::from_error(&e);
-    let micro = chosen.micro_batch_size.clamp(1, s.batch_size);
-    // Room for every spilled boundary of one micro-batch (as lt train).
-    let capacity = lt_exec::executor::spill_capacity::<B::InnerBackend>(&chosen.plan, cfg, micro, s.seq_len);
+    // Spilled boundaries go to --spill-dir, or to a folder of this run's own, removed afterwards.
     let mut _cleanup = TempDir(None);
-    let spill = if capacity > 0 {
-        let dir = match &args.spill_dir {
-            Some(d) => d.clone(),
-            None => {
-                let d = std::env::temp_dir().join(format!("lt-bench-spill-{}", std::process::id()));
-                _cleanup = TempDir(Some(d.clone()));
-                d
-            }
-        };
-        Some(crate::spill::open(&dir, capacity).map_err(err)?)
-    } else {
-        None
+    let spill_dir = match &args.spill_dir {
+        Some(d) => d.clone(),
+        None => {
+            let d = std::env::temp_dir().join(format!("lt-bench-spill-{}", std::process::id()));
+            _cleanup = TempDir(Some(d.clone()));
+            d
+        }
     };
-    let executor = Executor::<B>::new(chosen.plan.clone(), chosen.budget, device, spill);
-    let need = executor.required_device_bytes(cfg, micro, s.seq_len);
-    if need > chosen.budget.0 {
-        return Err(Failure::new(
-            FailKind::DeviceMemory,
-            format!(
-                "device memory budget {} is too small for micro-batch {micro} x {} tokens with this plan: it needs at \
-least {} (try --gpu-memory {} or a smaller --micro-batch-size)",
-                chosen.budget,
-                s.seq_len,
-                ByteSize(need),
-                lt_exec::budget::round_up(need)
-            ),
-        ));
+    let (executor, note) = executor_for::<B>(chosen, cfg, s.seq_len, device, &spill_dir).map_err(err)?;
+    if let Some(note) = note.filter(|_| !args.json) {
+        eprintln!("{note}");
     }
-
     let t_init = Instant::now();
     let host = HostModel::random_init(cfg.clone(), s.seed);
     let init_seconds = t_init.elapsed().as_secs_f64();
@@ -635,67 +455,76 @@ least {} (try --gpu-memory {} or a smaller --micro-batch-size)",
     };
     let mut trainer =
         Trainer::new(Arc::new(SharedModel::new(host, 0)), executor, opts, None, 0).map_err(|e| err(e.into()))?;
+    let measured = Measured { init_seconds, ..timed_steps(args, s, cfg, chosen.micro_batch_size, &mut trainer)? };
+    if let Some(path) = &args.trace {
+        let first = args.warmup + 1;
+        let total = args.warmup + args.steps;
+        lt_run::fsutil::write_atomic(path, trainer.trace().chrome_json(first..=total).as_bytes()).map_err(err)?;
+    }
+    figures(args, s, cfg, chosen, host_need, &measured)
+}
 
+/// Warm-up and timed steps on random token ids.
+fn timed_steps<B: AutodiffBackend>(
+    args: &BenchTrainArgs,
+    s: &RunSettings,
+    cfg: &ModelConfig,
+    micro: usize,
+    trainer: &mut Trainer<B>,
+) -> Result<Measured, Failure> {
+    let err = |e: ExecError| Failure::from_error(&e.into());
     let sampler = if s.device == DeviceChoice::Cuda { GpuMemorySampler::start(50) } else { None };
     let total = args.warmup + args.steps;
     let pb = crate::progress::bar(total, "bench train");
     let mut rng = lt_core::rng::SplitMix64::for_stream(s.seed, 0xBE7C);
     let vocab = cfg.vocab_size as u64;
-    let mut timed: Vec<StepMetrics> = Vec::new();
-    let mut losses = Vec::new();
-    // After every step (warm-up included): device memory the runtime reserved over the executor's
-    // streams, and host RSS. A leak shows as growth after step 2.
-    let mut reserved: Vec<Option<u64>> = Vec::new();
-    let mut rss: Vec<Option<u64>> = Vec::new();
+    let mut m = Measured {
+        timed: Vec::new(),
+        losses: Vec::new(),
+        reserved: Vec::new(),
+        rss: Vec::new(),
+        sampled_peak: None,
+        init_seconds: 0.0,
+    };
     for k in 0..total {
         let rows: Vec<Vec<u32>> =
             (0..s.batch_size).map(|_| (0..s.seq_len).map(|_| rng.below(vocab) as u32).collect()).collect();
         let mbs: Vec<Batch> = rows.chunks(micro).map(|c| Batch::from_ids(c.to_vec())).collect();
-        let m = trainer.step(&mbs).map_err(|e| err(e.into()))?;
-        losses.push(m.loss);
-        reserved.push(trainer.executor.device_reserved_bytes());
-        rss.push(vm_rss());
+        let step = trainer.step(&mbs).map_err(err)?;
+        m.losses.push(step.loss);
+        // After every step (warm-up included): device memory the runtime reserved over the
+        // executor's streams, and host RSS. A leak shows as growth after step 2.
+        m.reserved.push(trainer.executor.device_reserved_bytes());
+        m.rss.push(vm_rss());
+        let phase = if k < args.warmup { "warm-up" } else { "timed" };
         pb.set_position(k + 1);
-        pb.set_message(format!("{} {:.3} s/step", if k < args.warmup { "warm-up" } else { "timed" }, m.step_seconds));
+        pb.set_message(format!("{phase} {:.3} s/step", step.step_seconds));
         if !std::io::IsTerminal::is_terminal(&std::io::stderr()) && !args.json {
-            eprintln!(
-                "step {} ({}): loss {:.4}, {:.3} s",
-                m.step,
-                if k < args.warmup { "warm-up" } else { "timed" },
-                m.loss,
-                m.step_seconds
-            );
+            eprintln!("step {} ({phase}): loss {:.4}, {:.3} s", step.step, step.loss, step.step_seconds);
         }
         if k >= args.warmup {
-            timed.push(m);
+            m.timed.push(step);
         }
     }
-    trainer.flush().map_err(|e| err(e.into()))?;
+    trainer.flush().map_err(err)?;
     pb.finish_and_clear();
-    let sampled_peak = sampler.and_then(GpuMemorySampler::stop);
+    m.sampled_peak = sampler.and_then(GpuMemorySampler::stop);
+    Ok(m)
+}
 
-    if let Some(path) = &args.trace {
-        let first = args.warmup + 1;
-        crate::fsutil::write_atomic(path, trainer.trace().chrome_json(first..=total).as_bytes()).map_err(err)?;
-    }
+/// What the cost model says about the executed step: its FLOPs and the predicted step time.
+struct CostFigures {
+    hardware: String,
+    ecfg: ExecConfig,
+    executed_flops: f64,
+    predicted: Option<f64>,
+    predicted_source: String,
+}
 
-    // --- figures ---
-    let secs: Vec<f64> = timed.iter().map(|m| m.step_seconds).collect();
-    let step_seconds = mean(&secs);
-    let tokens = timed.first().map_or(s.batch_size * s.seq_len, |m| m.tokens);
-    let params = cfg.total_params() as f64;
-    let tflops_6pt = 6.0 * params * tokens as f64 / step_seconds / 1e12;
-    let hw = {
-        let spec: lt_sched::hardware::HardwareSpec = s.hardware.parse().map_err(|e: SchedError| err(e.into()))?;
-        let mut hw = lt_sched::hardware::load_profile(&spec).map_err(|e| err(e.into()))?;
-        if let Some(g) = s.gpu_memory {
-            hw.gpu_memory = g;
-        }
-        if let Some(h) = s.host_memory {
-            hw.host_memory = h;
-        }
-        hw
-    };
+fn cost_figures(s: &RunSettings, cfg: &ModelConfig, chosen: &ChosenPlan) -> Result<CostFigures, Failure> {
+    let err = |e: anyhow::Error| Failure::from_error(&e);
+    let micro = chosen.micro_batch_size;
+    let hw = s.hardware_profile().map_err(err)?;
     let ecfg = exec_config(&chosen.plan, micro, s.batch_size, s.seq_len, s.overlap_optimizer);
     let sched_boundaries: Vec<lt_sched::Placement> = chosen.plan.boundaries.iter().map(|p| to_sched(*p)).collect();
     let recomputed = lt_sched::plan::recomputed_layers(&sched_boundaries);
@@ -708,7 +537,6 @@ least {} (try --gpu-memory {} or a smaller --micro-batch-size)",
     )
     .map(|inst| inst.executed_flops_per_step(&recomputed))
     .map_err(|e| err(e.into()))?;
-    let tflops_full = executed / step_seconds / 1e12;
     let (predicted, predicted_source) = match chosen.predicted_step_seconds {
         Some(p) => (Some(p), "planner (lt-sched simulator replay of the solved plan)".to_string()),
         None => {
@@ -725,8 +553,30 @@ least {} (try --gpu-memory {} or a smaller --micro-batch-size)",
             (Some(sim.step_seconds), format!("lt-sched simulator replay of the fixed plan on the {} profile", hw.name))
         }
     };
+    Ok(CostFigures { hardware: hw.name.clone(), ecfg, executed_flops: executed, predicted, predicted_source })
+}
+
+/// The report's JSON object.
+fn figures(
+    args: &BenchTrainArgs,
+    s: &RunSettings,
+    cfg: &ModelConfig,
+    chosen: &ChosenPlan,
+    host_need: u64,
+    m: &Measured,
+) -> Result<Report, Failure> {
+    let CostFigures { hardware, ecfg, executed_flops: executed, predicted, predicted_source } =
+        cost_figures(s, cfg, chosen)?;
+    let micro = chosen.micro_batch_size;
+    let timed = &m.timed;
+    let secs: Vec<f64> = timed.iter().map(|m| m.step_seconds).collect();
+    let step_seconds = mean(&secs);
+    let tokens = timed.first().map_or(s.batch_size * s.seq_len, |m| m.tokens);
+    let params = cfg.total_params() as f64;
+    let tflops_6pt = 6.0 * params * tokens as f64 / step_seconds / 1e12;
+    let tflops_full = executed / step_seconds / 1e12;
     let budget_peak = timed.iter().map(|m| m.peak_device_bytes).max().unwrap_or(0);
-    let (peak_device, peak_source) = match (s.device, sampled_peak) {
+    let (peak_device, peak_source) = match (s.device, m.sampled_peak) {
         (DeviceChoice::Cuda, Some(p)) => {
             (p, "nvidia-smi memory.used sampled every 50 ms (whole GPU: CUDA context and allocator pools)")
         }
@@ -769,7 +619,7 @@ least {} (try --gpu-memory {} or a smaller --micro-batch-size)",
         "warmup": args.warmup,
         "device": device_name,
         "compute_dtype": dtype,
-        "hardware": hw.name,
+        "hardware": hardware,
         "optimizer": optimizer_name(s.optimizer),
         "threads": s.threads,
         "overlap_optimizer": s.overlap_optimizer,
@@ -788,17 +638,17 @@ least {} (try --gpu-memory {} or a smaller --micro-batch-size)",
         "peak_host_bytes": vm_hwm(),
         "peak_host_source": "VmHWM",
         "peak_host_rss_bytes": vm_hwm(),
-        "host_rss_bytes_per_step": rss,
-        "device_reserved_bytes_per_step": reserved,
-        "device_reserved_bytes_step2": reserved.get(1).copied().flatten(),
-        "device_reserved_bytes_last": reserved.last().copied().flatten(),
+        "host_rss_bytes_per_step": m.rss,
+        "device_reserved_bytes_per_step": m.reserved,
+        "device_reserved_bytes_step2": m.reserved.get(1).copied().flatten(),
+        "device_reserved_bytes_last": m.reserved.last().copied().flatten(),
         "device_reserved_source": "cubecl memory_usage().bytes_reserved summed over the executor's streams (null on the CPU backend)",
         "host_estimate_bytes": host_need,
         "exposed_seconds": exposed,
         "predicted_step_seconds": predicted,
         "predicted_source": predicted_source,
-        "losses": losses,
-        "init_seconds": init_seconds,
+        "losses": m.losses,
+        "init_seconds": m.init_seconds,
         "trace": args.trace,
     });
     Ok(Report { json })
@@ -822,22 +672,6 @@ mod tests {
         assert!(eight < fp32 && eight > 8 * p, "{eight} vs {p} params");
         assert_eq!(host_bytes_needed(&cfg, OptimizerChoice::Adamw, 2, 1, 8, 4), 16 * p + 2 * 8 * 64 * 4);
         assert_eq!(host_bytes_needed(&cfg, OptimizerChoice::Adamw, 2, 1, 8, 2), 16 * p + 2 * 8 * 64 * 2);
-    }
-
-    #[test]
-    fn oom_panics_are_device_memory_failures() {
-        let r: Result<(), Failure> = catch_panics(|| panic!("CUDA_ERROR_OUT_OF_MEMORY while allocating"));
-        assert_eq!(r.unwrap_err().kind, FailKind::DeviceMemory);
-        // cubecl's launch error, with its multi-line backtrace folded into one line.
-        let r: Result<(), Failure> = catch_panics(|| {
-            panic!("An out-of-memory error happened during launch\nCaused by:\n  x\nBacktrace\n{}", "y\n".repeat(500))
-        });
-        let f = r.unwrap_err();
-        assert_eq!(f.kind, FailKind::DeviceMemory);
-        assert!(!f.message.contains('\n') && f.message.len() < 600, "{}", f.message);
-        let r: Result<(), Failure> = catch_panics(|| panic!("index out of bounds"));
-        assert_eq!(r.unwrap_err().kind, FailKind::Error);
-        assert_eq!(catch_panics(|| Ok::<_, Failure>(3)).unwrap(), 3);
     }
 
     #[test]

@@ -9,8 +9,8 @@ use lt_data::{DatasetFile, DatasetFormat, PrepareOptions, prepare};
 use lt_model::host::HostModel;
 use lt_model::weights::DeviceModel;
 
-use crate::device::DeviceChoice;
-use crate::evaluate::{encoder_for, evaluate};
+use lt_run::DeviceChoice;
+use lt_run::evaluate::{encoder_for, evaluate};
 
 /// Arguments of `lt eval`.
 #[derive(Debug, clap::Args)]
@@ -62,7 +62,7 @@ fn generate_on<B: Backend>(
     args: &EvalArgs,
     progress: impl FnMut(usize),
     device: &B::Device,
-) -> Result<(lt_data::Accuracy, Vec<crate::evaluate::Prediction>)> {
+) -> Result<(lt_data::Accuracy, Vec<lt_run::evaluate::Prediction>)> {
     let model = DeviceModel::<B>::from_host(host, device);
     evaluate(
         &model,
@@ -100,23 +100,23 @@ pub fn run(args: &EvalArgs) -> Result<()> {
         #[cfg(feature = "cuda")]
         DeviceChoice::Cuda => {
             // A GPU out-of-memory or driver failure surfaces as a panic inside cubecl: report it as one line.
-            super::bench_train::catch_panics(|| {
+            crate::failure::catch_panics(|| {
                 generate_on::<lt_model::CudaBackend>(&host, &encoder, &examples, args, score, &Default::default())
-                    .map_err(|e| super::bench_train::Failure::from_error(&e))
+                    .map_err(|e| crate::failure::Failure::from_error(&e))
             })
             .map_err(|e| anyhow::anyhow!("--device cuda: {e}"))?
         }
         #[cfg(feature = "wgpu")]
         DeviceChoice::Wgpu => {
-            let device = crate::device::wgpu()?;
-            super::bench_train::catch_panics(|| {
+            let device = lt_run::device::wgpu()?;
+            crate::failure::catch_panics(|| {
                 generate_on::<lt_model::WgpuBackend>(&host, &encoder, &examples, args, score, &device)
-                    .map_err(|e| super::bench_train::Failure::from_error(&e))
+                    .map_err(|e| crate::failure::Failure::from_error(&e))
             })
             .map_err(|e| anyhow::anyhow!("--device wgpu: {e}"))?
         }
         #[allow(unreachable_patterns)]
-        d => return Err(crate::device::not_built(d)),
+        d => return Err(lt_run::device::not_built(d)),
     };
     pb.finish_and_clear();
     let pred_path = args.predictions.clone().unwrap_or_else(|| args.model.join("predictions.jsonl"));
@@ -125,7 +125,7 @@ pub fn run(args: &EvalArgs) -> Result<()> {
         serde_json::to_writer(&mut out, p)?;
         out.push(b'\n');
     }
-    crate::fsutil::write_atomic(&pred_path, &out)?;
+    lt_run::fsutil::write_atomic(&pred_path, &out)?;
     println!("exact match: {}", acc.summary());
     println!("predictions: {}", pred_path.display());
     if args.json {

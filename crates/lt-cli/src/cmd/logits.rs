@@ -8,7 +8,7 @@ use lt_model::host::HostModel;
 use lt_model::model::{Batch, forward_logits, to_vec};
 use lt_model::weights::DeviceModel;
 
-use crate::device::DeviceChoice;
+use lt_run::DeviceChoice;
 
 /// Arguments of `lt logits`.
 #[derive(Debug, clap::Args)]
@@ -96,16 +96,18 @@ pub fn run(args: &LogitsArgs) -> Result<()> {
         #[cfg(feature = "cuda")]
         DeviceChoice::Cuda => logits_on::<lt_model::CudaBackend>(&host, &batch, per_pass, &Default::default(), &pb),
         #[cfg(feature = "wgpu")]
-        DeviceChoice::Wgpu => logits_on::<lt_model::WgpuBackend>(&host, &batch, per_pass, &crate::device::wgpu()?, &pb),
+        DeviceChoice::Wgpu => {
+            logits_on::<lt_model::WgpuBackend>(&host, &batch, per_pass, &lt_run::device::wgpu()?, &pb)
+        }
         #[allow(unreachable_patterns)]
-        d => return Err(crate::device::not_built(d)),
+        d => return Err(lt_run::device::not_built(d)),
     };
     pb.finish_and_clear();
     let bytes: Vec<u8> = out.iter().flat_map(|x| x.to_le_bytes()).collect();
     let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![b, t, vocab], &bytes)
         .context("building the logits tensor")?;
     let data = safetensors::serialize([("logits", view)], None).context("serialising logits")?;
-    crate::fsutil::write_atomic(&args.out, &data)?;
+    lt_run::fsutil::write_atomic(&args.out, &data)?;
     eprintln!("wrote logits [{b}, {t}, {vocab}] to {}", args.out.display());
     Ok(())
 }

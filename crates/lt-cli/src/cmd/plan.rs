@@ -9,11 +9,9 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use clap::ValueEnum;
-use lt_core::ByteSize;
 use lt_core::ModelConfig;
 use lt_core::hardware::HardwareProfile;
 use lt_sched::cost::{AttentionKernel, CostOptions};
-use lt_sched::hardware::{HardwareSpec, load_profile};
 use lt_sched::planner::{self, Baseline, PlanOutcome, PlanRequest};
 use lt_sched::{OptimizerOverlap, Placement, Plan, SchedError};
 
@@ -23,9 +21,8 @@ pub struct PlanArgs {
     /// The model: a Hugging Face config.json, or a folder holding one.
     #[arg(long, value_name = "CONFIG.json|MODEL_DIR")]
     pub model_config: PathBuf,
-    /// Hardware profile: a built-in name (h800, rtx3090, h200, cpu) or a TOML file.
-    #[arg(long, value_name = "NAME|FILE.toml")]
-    pub hardware: String,
+    #[command(flatten)]
+    pub hw: lt_run::config::HardwareArgs,
     /// Sequences per optimizer step.
     #[arg(long)]
     pub batch_size: usize,
@@ -45,12 +42,6 @@ pub struct PlanArgs {
     /// Write the predicted timeline of one step (Chrome trace JSON).
     #[arg(long, value_name = "trace.json")]
     pub trace: Option<PathBuf>,
-    /// Override the profile's GPU memory (80GB, 24GiB, ...).
-    #[arg(long, value_name = "SIZE")]
-    pub gpu_memory: Option<ByteSize>,
-    /// Override the profile's host memory.
-    #[arg(long, value_name = "SIZE")]
-    pub host_memory: Option<ByteSize>,
     /// When the host optimizer runs; `auto` picks the fastest mode that keeps global-norm clipping
     /// exact (add --no-grad-clip to allow `backward`).
     #[arg(long, value_enum, default_value_t = OverlapArg::Auto)]
@@ -71,8 +62,8 @@ pub struct PlanArgs {
     #[arg(long, default_value_t = planner::DEFAULT_MAX_SEGMENT_LEN)]
     pub max_segment_len: usize,
     /// Optimizer-state precision, for host memory (as `lt train --optimizer`).
-    #[arg(long, value_enum, default_value_t = crate::cmd::train::OptimizerChoice::Adamw8bit)]
-    pub optimizer: crate::cmd::train::OptimizerChoice,
+    #[arg(long, value_enum, default_value_t = lt_run::OptimizerChoice::Adamw8bit)]
+    pub optimizer: lt_run::OptimizerChoice,
 }
 
 /// `--optimizer-overlap` choices.
@@ -107,15 +98,7 @@ struct Setup {
 
 fn setup(args: &PlanArgs) -> Result<Setup> {
     let model = ModelConfig::from_path(&args.model_config)?;
-    let spec: HardwareSpec = args.hardware.parse()?;
-    let mut hw = load_profile(&spec)?;
-    if let Some(g) = args.gpu_memory {
-        hw.gpu_memory = g;
-    }
-    if let Some(h) = args.host_memory {
-        hw.host_memory = h;
-    }
-    lt_sched::hardware::validate_profile(&hw).context("after --gpu-memory/--host-memory overrides")?;
+    let hw = args.hw.profile(lt_core::hardware::BuiltinProfile::Cpu)?;
     let mut req = PlanRequest::new(args.batch_size, args.seq_len);
     req.optimizer_overlap = match args.optimizer_overlap {
         OverlapArg::Auto => None,
@@ -203,6 +186,8 @@ fn overlap_name(o: OptimizerOverlap) -> &'static str {
     }
 }
 
+/// Prints the plan as text: the header, the per-layer table, the comparison with the baselines and
+/// the files written.
 fn print_text(
     s: &Setup,
     o: &PlanOutcome,
@@ -210,6 +195,26 @@ fn print_text(
     max_batch: Option<(Option<usize>, Option<usize>)>,
     args: &PlanArgs,
 ) {
+    print_header(s, o);
+    println!();
+    print_layers(o);
+    println!();
+    print_comparison(&o.plan, baselines);
+    if let Some((ours, theirs)) = max_batch {
+        let show = |b: Option<usize>| b.map_or("none fits".to_string(), |b| b.to_string());
+        println!();
+        println!("largest batch in one micro-batch (predicted): lazytrain {}, megatrain {}", show(ours), show(theirs));
+    }
+    if let Some(path) = &args.out {
+        println!("plan written to {}", path.display());
+    }
+    if let Some(path) = &args.trace {
+        println!("predicted timeline written to {} (chrome://tracing, Perfetto)", path.display());
+    }
+}
+
+/// Prints the model and machine, the solver's summary and warnings, and the chosen step shape.
+fn print_header(s: &Setup, o: &PlanOutcome) {
     let p = &o.plan;
     let sv = &p.solver;
     println!(
@@ -238,7 +243,12 @@ fn print_text(
         p.loss_chunk_tokens,
         overlap_name(p.optimizer_overlap)
     );
-    println!();
+}
+
+/// Prints the per-layer table (placement of each boundary, recomputation, predicted times) and the
+/// boundary counts per tier.
+fn print_layers(o: &PlanOutcome) {
+    let p = &o.plan;
     println!("per layer (times predicted, one micro-batch):");
     println!(
         "{:>5}  {:<7}  {:<10}  {:<10}  {:>10}  {:>10}",
@@ -269,8 +279,10 @@ fn print_text(
         kept(Placement::Nvme),
         kept(Placement::Recompute)
     );
-    println!();
+}
 
+/// Prints the predicted figures of the plan beside each baseline, one column per plan.
+fn print_comparison(p: &Plan, baselines: &[(Baseline, Option<Plan>)]) {
     let mut cols: Vec<(&str, Option<&Plan>)> = vec![("lazytrain", Some(p))];
     for (b, bp) in baselines {
         cols.push((b.name(), bp.as_ref()));
@@ -310,17 +322,6 @@ fn print_text(
             print!("{:>15}", q.map_or("does not fit".into(), f));
         }
         println!();
-    }
-    if let Some((ours, theirs)) = max_batch {
-        let show = |b: Option<usize>| b.map_or("none fits".to_string(), |b| b.to_string());
-        println!();
-        println!("largest batch in one micro-batch (predicted): lazytrain {}, megatrain {}", show(ours), show(theirs));
-    }
-    if let Some(path) = &args.out {
-        println!("plan written to {}", path.display());
-    }
-    if let Some(path) = &args.trace {
-        println!("predicted timeline written to {} (chrome://tracing, Perfetto)", path.display());
     }
 }
 
@@ -455,14 +456,14 @@ mod tests {
         ])
         .unwrap();
         let s = setup(&cli.args).unwrap();
-        assert_eq!(s.hw.gpu_memory, ByteSize::gib(12));
+        assert_eq!(s.hw.gpu_memory, lt_core::ByteSize::gib(12));
         assert_eq!(s.req.optimizer_overlap, Some(OptimizerOverlap::OverlapNextForward));
         assert_eq!(s.model_name, "qwen2.5-3b");
     }
 
     #[test]
     fn unknown_hardware_is_refused_with_the_choices() {
-        let cli = Cli::try_parse_from([
+        let parsed = Cli::try_parse_from([
             "lt",
             "--model-config",
             &config_path("qwen2.5-3b.json"),
@@ -472,9 +473,9 @@ mod tests {
             "8",
             "--seq-len",
             "512",
-        ])
-        .unwrap();
-        let e = setup(&cli.args).err().map(|e| e.to_string()).unwrap_or_default();
+        ]);
+        // `--hardware` parses into a `HardwareSpec` at the flag: the error comes from clap.
+        let e = parsed.err().map(|e| e.to_string()).unwrap_or_default();
         assert!(e.contains("h800, rtx3090, h200, cpu"), "{e}");
     }
 

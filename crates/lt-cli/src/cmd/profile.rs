@@ -39,9 +39,9 @@ use lt_optim::{AdamW, AdamWConfig, Grad, OptimizerKind, StepOutcome, ThreadPool}
 use lt_sched::cost::{CostOptions, ExecConfig, Instance};
 use lt_storage::spill::{SpillBuf, SpillConfig, SpillStore, Ticket};
 
-use super::train::OptimizerChoice;
-use crate::device::DeviceChoice;
 use crate::timing::{best, sync};
+use lt_run::DeviceChoice;
+use lt_run::OptimizerChoice;
 
 /// Built-in profile the unmeasured fields come from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -277,11 +277,7 @@ struct Measured {
 /// Run the command.
 pub fn run(args: &ProfileArgs) -> Result<()> {
     let started = Instant::now();
-    let base_arg = args.base.unwrap_or(match args.device {
-        DeviceChoice::Cpu | DeviceChoice::Wgpu => BaseArg::Cpu,
-        DeviceChoice::Cuda => BaseArg::H200,
-    });
-    let base = base_arg.builtin().profile();
+    let base = default_base(args).builtin().profile();
     let sizes = Sizes::new(args.device, args.quick);
     let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map(usize::from).unwrap_or(1));
     if threads == 0 {
@@ -290,64 +286,104 @@ pub fn run(args: &ProfileArgs) -> Result<()> {
     let skip = |p: Part| args.skip.contains(&p);
     // Progress lines always go to stderr (stdout carries only the summary or the JSON line).
     let say = |s: String| eprintln!("{s}");
-    // A backend panic (cubecl reports device errors by panicking) becomes a one-line error.
-    let guarded = |f: &dyn Fn() -> Result<Measured>| {
-        super::bench_train::catch_panics(|| f().map_err(|e| super::bench_train::Failure::from_error(&e)))
-            .map_err(|e| anyhow::anyhow!("measuring the {} backend: {e}", device_name(args.device)))
-    };
-    let mut m = match args.device {
-        DeviceChoice::Cpu => {
-            guarded(&|| measure_backend::<lt_model::CpuAutodiff>(args, &sizes, &Default::default(), "f32", &say))?
-        }
-        #[cfg(feature = "cuda")]
-        DeviceChoice::Cuda => {
-            guarded(&|| measure_backend::<lt_model::CudaAutodiff>(args, &sizes, &Default::default(), "bf16", &say))?
-        }
-        #[cfg(feature = "wgpu")]
-        DeviceChoice::Wgpu => {
-            let device = crate::device::wgpu()?;
-            guarded(&|| measure_backend::<lt_model::WgpuAutodiff>(args, &sizes, &device, "f32", &say))?
-        }
-        #[allow(unreachable_patterns)]
-        d => return Err(crate::device::not_built(d)),
-    };
+    let mut m = measure_device(args, &sizes, &say)?;
     if !skip(Part::Disk) {
-        let dir = args.spill_dir.clone().unwrap_or_else(std::env::temp_dir);
-        disk(&dir, &sizes, &mut m)?;
-        say(format!(
-            "disk ({} via {}, O_DIRECT {}): write {:.2} GB/s, read {:.2} GB/s",
-            ByteSize(sizes.disk_total),
-            m.disk_engine.as_deref().unwrap_or("?"),
-            m.disk_o_direct.unwrap_or(false),
-            m.nvme_write_gb_per_s.unwrap_or(0.0),
-            m.nvme_read_gb_per_s.unwrap_or(0.0)
-        ));
+        measure_disk(args, &sizes, &mut m, &say)?;
     }
     if !skip(Part::Optimizer) {
-        for kind in [OptimizerChoice::Adamw8bit, OptimizerChoice::Adamw] {
-            let g = optimizer_speed(kind, sizes.optimizer_params, threads)?;
-            match kind {
-                OptimizerChoice::Adamw8bit => m.adamw8bit_gparams_per_s = Some(g),
-                OptimizerChoice::Adamw => m.adamw_gparams_per_s = Some(g),
-            }
-        }
-        m.optimizer_params = Some(sizes.optimizer_params);
-        m.optimizer_threads = Some(threads);
-        say(format!(
-            "host optimizer ({} params, {threads} threads, fp32 grads): adamw8bit {:.3} Gparam/s, adamw {:.3} Gparam/s",
-            sizes.optimizer_params,
-            m.adamw8bit_gparams_per_s.unwrap_or(0.0),
-            m.adamw_gparams_per_s.unwrap_or(0.0)
-        ));
+        measure_optimizers(&sizes, threads, &mut m, &say)?;
     }
-    m.host_memory_available = super::bench_train::mem_available();
+    m.host_memory_available = crate::procmem::mem_available();
     if args.device == DeviceChoice::Cuda {
         m.gpu_memory_total = nvidia_smi_total_memory();
     }
 
     let name = args.name.clone().unwrap_or_else(|| format!("{}-measured", base.name));
     let (profile, text) = build_profile(&base, &name, args, &m)?;
-    crate::fsutil::write_atomic(&args.out, text.as_bytes())?;
+    lt_run::fsutil::write_atomic(&args.out, text.as_bytes())?;
+    print_summary(args, &base, &profile, &m, started);
+    Ok(())
+}
+
+/// The base profile: `--base`, or the default for `--device` (cpu for the CPU and wgpu, h200 for
+/// CUDA).
+fn default_base(args: &ProfileArgs) -> BaseArg {
+    args.base.unwrap_or(match args.device {
+        DeviceChoice::Cpu | DeviceChoice::Wgpu => BaseArg::Cpu,
+        DeviceChoice::Cuda => BaseArg::H200,
+    })
+}
+
+/// Transfers, GEMM and the layer fits on the backend of `--device`, a backend panic turned into a
+/// one-line error.
+fn measure_device(args: &ProfileArgs, sizes: &Sizes, say: &dyn Fn(String)) -> Result<Measured> {
+    // A backend panic (cubecl reports device errors by panicking) becomes a one-line error.
+    let guarded = |f: &dyn Fn() -> Result<Measured>| {
+        crate::failure::catch_panics(|| f().map_err(|e| crate::failure::Failure::from_error(&e)))
+            .map_err(|e| anyhow::anyhow!("measuring the {} backend: {e}", device_name(args.device)))
+    };
+    let m = match args.device {
+        DeviceChoice::Cpu => {
+            guarded(&|| measure_backend::<lt_model::CpuAutodiff>(args, sizes, &Default::default(), "f32", say))?
+        }
+        #[cfg(feature = "cuda")]
+        DeviceChoice::Cuda => {
+            guarded(&|| measure_backend::<lt_model::CudaAutodiff>(args, sizes, &Default::default(), "bf16", say))?
+        }
+        #[cfg(feature = "wgpu")]
+        DeviceChoice::Wgpu => {
+            let device = lt_run::device::wgpu()?;
+            guarded(&|| measure_backend::<lt_model::WgpuAutodiff>(args, sizes, &device, "f32", say))?
+        }
+        #[allow(unreachable_patterns)]
+        d => return Err(lt_run::device::not_built(d)),
+    };
+    Ok(m)
+}
+
+/// The spill-store bandwidth in `--spill-dir` (or the temp dir), recorded in `m` and reported.
+fn measure_disk(args: &ProfileArgs, sizes: &Sizes, m: &mut Measured, say: &dyn Fn(String)) -> Result<()> {
+    let dir = args.spill_dir.clone().unwrap_or_else(std::env::temp_dir);
+    disk(&dir, sizes, m)?;
+    say(format!(
+        "disk ({} via {}, O_DIRECT {}): write {:.2} GB/s, read {:.2} GB/s",
+        ByteSize(sizes.disk_total),
+        m.disk_engine.as_deref().unwrap_or("?"),
+        m.disk_o_direct.unwrap_or(false),
+        m.nvme_write_gb_per_s.unwrap_or(0.0),
+        m.nvme_read_gb_per_s.unwrap_or(0.0)
+    ));
+    Ok(())
+}
+
+/// The host optimizer throughput of both AdamW variants, recorded in `m` and reported.
+fn measure_optimizers(sizes: &Sizes, threads: usize, m: &mut Measured, say: &dyn Fn(String)) -> Result<()> {
+    for kind in [OptimizerChoice::Adamw8bit, OptimizerChoice::Adamw] {
+        let g = optimizer_speed(kind, sizes.optimizer_params, threads)?;
+        match kind {
+            OptimizerChoice::Adamw8bit => m.adamw8bit_gparams_per_s = Some(g),
+            OptimizerChoice::Adamw => m.adamw_gparams_per_s = Some(g),
+        }
+    }
+    m.optimizer_params = Some(sizes.optimizer_params);
+    m.optimizer_threads = Some(threads);
+    say(format!(
+        "host optimizer ({} params, {threads} threads, fp32 grads): adamw8bit {:.3} Gparam/s, adamw {:.3} Gparam/s",
+        sizes.optimizer_params,
+        m.adamw8bit_gparams_per_s.unwrap_or(0.0),
+        m.adamw_gparams_per_s.unwrap_or(0.0)
+    ));
+    Ok(())
+}
+
+/// Prints the one-line summary of the written profile, or with `--json` the JSON line instead.
+fn print_summary(
+    args: &ProfileArgs,
+    base: &HardwareProfile,
+    profile: &HardwareProfile,
+    m: &Measured,
+    started: Instant,
+) {
     let summary = format!(
         "wrote {} (base {}, {:.1} s): h2d {:.2} GB/s, d2h {:.2} GB/s, peak {:.3} TFLOPS x efficiency {:.3}, nvme r/w \
 {:.2}/{:.2} GB/s, optimizer {:.2} Gparam/s",
@@ -377,7 +413,6 @@ pub fn run(args: &ProfileArgs) -> Result<()> {
         });
         println!("{j}");
     }
-    Ok(())
 }
 
 fn device_name(d: DeviceChoice) -> &'static str {
@@ -395,41 +430,7 @@ fn measure_backend<B: AutodiffBackend>(
     let mut m = Measured::default();
     let skip = |p: Part| args.skip.contains(&p);
     if !skip(Part::Transfers) {
-        match args.device {
-            DeviceChoice::Cpu => {
-                let gbs = memcpy_gb_per_s(sizes.transfer_bytes, sizes.transfer_reps);
-                m.h2d_gb_per_s = Some(gbs);
-                m.d2h_gb_per_s = Some(gbs);
-                m.transfer_source = Some("memcpy (the CPU executor's transfers are memory copies)".into());
-                say(format!("transfers (memcpy stand-in, {}): {gbs:.2} GB/s", ByteSize(sizes.transfer_bytes as u64)));
-            }
-            DeviceChoice::Cuda | DeviceChoice::Wgpu => {
-                let r = transfers::<B::InnerBackend>(device, sizes.transfer_bytes, sizes.transfer_reps)?;
-                m.h2d_gb_per_s = Some(r.h2d_executor);
-                m.d2h_gb_per_s = Some(r.d2h);
-                m.h2d_pageable_gb_per_s = Some(r.h2d_pageable);
-                m.h2d_pinned_gb_per_s = Some(r.h2d_pinned);
-                m.host_bytes_per_uploaded_byte = Some(r.host_touch);
-                m.transfer_source = Some(
-                    "uploads: the executor's path (bf16 devices: the optimizer's bf16 copy, shared with the runtime; \
-f32 devices: the fp32 master, one threaded copy); downloads: Burn into_data; device dtype, synchronised, \
-best of several"
-                        .into(),
-                );
-                say(format!(
-                    "transfers ({}): h2d as the executor uploads {:.2} GB/s (from pageable native data {:.2}, from \
-pinned {:.2}), d2h {:.2} GB/s; host bytes touched per uploaded byte before the driver: {:.1} (counted from \
-the path)",
-                    ByteSize(sizes.transfer_bytes as u64),
-                    r.h2d_executor,
-                    r.h2d_pageable,
-                    r.h2d_pinned,
-                    r.d2h,
-                    r.host_touch
-                ));
-            }
-        }
-        m.transfer_bytes = Some(sizes.transfer_bytes);
+        measure_transfers::<B::InnerBackend>(args, sizes, device, &mut m, say)?;
     }
     if !skip(Part::Gemm) {
         let t = gemm_tflops::<B::InnerBackend>(device, sizes.gemm_n, sizes.gemm_reps)?;
@@ -439,58 +440,118 @@ the path)",
         say(format!("gemm {n}x{n}x{n} {dtype}: {t:.3} TFLOPS (best of {})", sizes.gemm_reps, n = sizes.gemm_n));
     }
     if !skip(Part::Layer) {
-        let (cfg, seq) = layer_config(args.device, args.quick)?;
-        let (fwd, bwd) = layer_seconds::<B>(&cfg, seq, device)?;
-        m.layer_fwd_seconds = Some(fwd);
-        m.layer_bwd_seconds = Some(bwd);
-        m.layer_tokens = Some(seq);
-        m.layer_hidden = Some(cfg.hidden_size);
-        say(format!(
-            "decoder layer (hidden {}, {} tokens, {dtype}): forward {:.2} ms, backward (with its re-forward) {:.2} ms",
-            cfg.hidden_size,
-            seq,
-            fwd * 1e3,
-            bwd * 1e3
-        ));
-        if let Some(peak) = m.gemm_tflops {
-            let (eff, flops, clamped) = fit_efficiency(&cfg, seq, fwd + bwd, peak, args)?;
-            m.efficiency = Some(eff);
-            m.layer_model_flops = Some(flops);
-            m.efficiency_clamped = clamped;
-            say(format!(
-                "layer efficiency against the measured GEMM peak: {eff:.3}{}",
-                if clamped { " (clamped)" } else { "" }
-            ));
-        } else {
-            say("layer efficiency not fitted: the GEMM measurement was skipped".into());
+        measure_layers::<B>(args, device, dtype, &mut m, say)?;
+    }
+    Ok(m)
+}
+
+/// Host-to-device and device-to-host bandwidth on backend `B` (a `memcpy` stand-in on the CPU
+/// executor), recorded in `m` and reported.
+fn measure_transfers<B: Backend>(
+    args: &ProfileArgs,
+    sizes: &Sizes,
+    device: &B::Device,
+    m: &mut Measured,
+    say: &dyn Fn(String),
+) -> Result<()> {
+    match args.device {
+        DeviceChoice::Cpu => {
+            let gbs = memcpy_gb_per_s(sizes.transfer_bytes, sizes.transfer_reps);
+            m.h2d_gb_per_s = Some(gbs);
+            m.d2h_gb_per_s = Some(gbs);
+            m.transfer_source = Some("memcpy (the CPU executor's transfers are memory copies)".into());
+            say(format!("transfers (memcpy stand-in, {}): {gbs:.2} GB/s", ByteSize(sizes.transfer_bytes as u64)));
         }
-        // The linear-attention layer of hybrid models: its chunked delta rule runs many small
-        // matmuls, so it gets its own efficiency.
-        let (cfg, seq) = linear_layer_config(args.device, args.quick)?;
-        let (fwd, bwd) = layer_seconds::<B>(&cfg, seq, device)?;
-        m.linear_layer_fwd_seconds = Some(fwd);
-        m.linear_layer_bwd_seconds = Some(bwd);
-        m.linear_layer_tokens = Some(seq);
-        m.linear_layer_hidden = Some(cfg.hidden_size);
-        say(format!(
-            "linear-attention layer (hidden {}, {} tokens, {dtype}): forward {:.2} ms, backward (with its re-forward) \
-             {:.2} ms",
-            cfg.hidden_size,
-            seq,
-            fwd * 1e3,
-            bwd * 1e3
-        ));
-        if let Some(peak) = m.gemm_tflops {
-            let (eff, _, clamped) = fit_efficiency(&cfg, seq, fwd + bwd, peak, args)?;
-            m.linear_efficiency = Some(eff);
-            m.linear_efficiency_clamped = clamped;
+        DeviceChoice::Cuda | DeviceChoice::Wgpu => {
+            let r = transfers::<B>(device, sizes.transfer_bytes, sizes.transfer_reps)?;
+            m.h2d_gb_per_s = Some(r.h2d_executor);
+            m.d2h_gb_per_s = Some(r.d2h);
+            m.h2d_pageable_gb_per_s = Some(r.h2d_pageable);
+            m.h2d_pinned_gb_per_s = Some(r.h2d_pinned);
+            m.host_bytes_per_uploaded_byte = Some(r.host_touch);
+            m.transfer_source = Some(
+                "uploads: the executor's path (bf16 devices: the optimizer's bf16 copy, shared with the runtime; \
+f32 devices: the fp32 master, one threaded copy); downloads: Burn into_data; device dtype, synchronised, \
+best of several"
+                    .into(),
+            );
             say(format!(
-                "linear-attention layer efficiency against the measured GEMM peak: {eff:.3}{}",
-                if clamped { " (clamped)" } else { "" }
+                "transfers ({}): h2d as the executor uploads {:.2} GB/s (from pageable native data {:.2}, from \
+pinned {:.2}), d2h {:.2} GB/s; host bytes touched per uploaded byte before the driver: {:.1} (counted from \
+the path)",
+                ByteSize(sizes.transfer_bytes as u64),
+                r.h2d_executor,
+                r.h2d_pageable,
+                r.h2d_pinned,
+                r.d2h,
+                r.host_touch
             ));
         }
     }
-    Ok(m)
+    m.transfer_bytes = Some(sizes.transfer_bytes);
+    Ok(())
+}
+
+/// The decoder-layer and linear-attention-layer timings on backend `B` and, when the GEMM peak was
+/// measured, their efficiency fits, recorded in `m` and reported.
+fn measure_layers<B: AutodiffBackend>(
+    args: &ProfileArgs,
+    device: &<B::InnerBackend as BackendTypes>::Device,
+    dtype: &str,
+    m: &mut Measured,
+    say: &dyn Fn(String),
+) -> Result<()> {
+    let (cfg, seq) = layer_config(args.device, args.quick)?;
+    let (fwd, bwd) = layer_seconds::<B>(&cfg, seq, device)?;
+    m.layer_fwd_seconds = Some(fwd);
+    m.layer_bwd_seconds = Some(bwd);
+    m.layer_tokens = Some(seq);
+    m.layer_hidden = Some(cfg.hidden_size);
+    say(format!(
+        "decoder layer (hidden {}, {} tokens, {dtype}): forward {:.2} ms, backward (with its re-forward) {:.2} ms",
+        cfg.hidden_size,
+        seq,
+        fwd * 1e3,
+        bwd * 1e3
+    ));
+    if let Some(peak) = m.gemm_tflops {
+        let (eff, flops, clamped) = fit_efficiency(&cfg, seq, fwd + bwd, peak, args)?;
+        m.efficiency = Some(eff);
+        m.layer_model_flops = Some(flops);
+        m.efficiency_clamped = clamped;
+        say(format!(
+            "layer efficiency against the measured GEMM peak: {eff:.3}{}",
+            if clamped { " (clamped)" } else { "" }
+        ));
+    } else {
+        say("layer efficiency not fitted: the GEMM measurement was skipped".into());
+    }
+    // The linear-attention layer of hybrid models: its chunked delta rule runs many small
+    // matmuls, so it gets its own efficiency.
+    let (cfg, seq) = linear_layer_config(args.device, args.quick)?;
+    let (fwd, bwd) = layer_seconds::<B>(&cfg, seq, device)?;
+    m.linear_layer_fwd_seconds = Some(fwd);
+    m.linear_layer_bwd_seconds = Some(bwd);
+    m.linear_layer_tokens = Some(seq);
+    m.linear_layer_hidden = Some(cfg.hidden_size);
+    say(format!(
+        "linear-attention layer (hidden {}, {} tokens, {dtype}): forward {:.2} ms, backward (with its re-forward) \
+         {:.2} ms",
+        cfg.hidden_size,
+        seq,
+        fwd * 1e3,
+        bwd * 1e3
+    ));
+    if let Some(peak) = m.gemm_tflops {
+        let (eff, _, clamped) = fit_efficiency(&cfg, seq, fwd + bwd, peak, args)?;
+        m.linear_efficiency = Some(eff);
+        m.linear_efficiency_clamped = clamped;
+        say(format!(
+            "linear-attention layer efficiency against the measured GEMM peak: {eff:.3}{}",
+            if clamped { " (clamped)" } else { "" }
+        ));
+    }
+    Ok(())
 }
 
 /// Copy bandwidth of one thread, decimal GB/s (bytes copied per second).
@@ -652,14 +713,7 @@ fn fit_efficiency(
     peak: f64,
     args: &ProfileArgs,
 ) -> Result<(f64, f64, bool)> {
-    let base = args
-        .base
-        .unwrap_or(match args.device {
-            DeviceChoice::Cpu | DeviceChoice::Wgpu => BaseArg::Cpu,
-            DeviceChoice::Cuda => BaseArg::H200,
-        })
-        .builtin()
-        .profile();
+    let base = default_base(args).builtin().profile();
     let mut hw = base;
     hw.peak_tflops = peak;
     hw.efficiency = 1.0;
@@ -774,6 +828,20 @@ fn toml_str(s: &str) -> String {
     toml::Value::String(s.to_string()).to_string()
 }
 
+/// The TOML lines of a profile being written, each field preceded by a comment saying where its
+/// value comes from.
+struct ProfileToml {
+    lines: Vec<String>,
+}
+
+impl ProfileToml {
+    /// Appends `# note` and then `key = value`.
+    fn field(&mut self, key: &str, value: String, note: String) {
+        self.lines.push(format!("# {note}"));
+        self.lines.push(format!("{key} = {value}"));
+    }
+}
+
 /// The profile and its TOML text, each field preceded by a comment saying where its value comes from.
 /// The text is parsed back through lt-sched's loader before it is returned, so a written file always
 /// loads.
@@ -792,25 +860,48 @@ fn build_profile(
         if args.quick { " --quick" } else { "" },
         base.name
     );
-    let mut lines = vec![
-        "# Hardware profile written by `lt profile`. Load it with `--hardware FILE` (lt plan, lt train, lt bench train)."
-            .to_string(),
-        "# Each field says whether it was measured on this machine or copied from the base profile.".to_string(),
-        String::new(),
-        format!("name = {}", toml_str(&p.name)),
-        format!("description = {}", toml_str(&p.description)),
-    ];
-    let mut field = |key: &str, value: String, note: String| {
-        lines.push(format!("# {note}"));
-        lines.push(format!("{key} = {value}"));
+    let mut out = ProfileToml {
+        lines: vec![
+            "# Hardware profile written by `lt profile`. Load it with `--hardware FILE` (lt plan, lt train, lt bench train)."
+                .to_string(),
+            "# Each field says whether it was measured on this machine or copied from the base profile.".to_string(),
+            String::new(),
+            format!("name = {}", toml_str(&p.name)),
+            format!("description = {}", toml_str(&p.description)),
+        ],
     };
+    memory_fields(&mut p, &mut out, args, m, &from_base);
+    bandwidth_fields(&mut p, &mut out, m, &from_base);
+    compute_fields(&mut p, &mut out, base, m, &from_base);
+    linear_efficiency_field(&mut p, &mut out, m, &from_base);
+    optimizer_field(&mut p, &mut out, args, m, &from_base);
+    out.field("gpu_reserved", p.gpu_reserved.0.to_string(), format!("{from_base}: {}", p.gpu_reserved));
+    out.field("gemm_half_efficiency_rows", format!("{:?}", p.gemm_half_efficiency_rows), from_base.clone());
+    let dtype_bytes: u32 = match args.device {
+        DeviceChoice::Cpu | DeviceChoice::Wgpu => 4,
+        DeviceChoice::Cuda => 2,
+    };
+    p.compute_dtype_bytes = dtype_bytes;
+    out.field(
+        "compute_dtype_bytes",
+        dtype_bytes.to_string(),
+        format!("the executor's device dtype on --device {device} ({})", if dtype_bytes == 4 { "f32" } else { "bf16" }),
+    );
+    let text = out.lines.join("\n") + "\n";
+    let parsed = lt_sched::hardware::profile_from_toml(&text, &args.out.display().to_string())
+        .context("the measured profile does not validate (a measurement went wrong)")?;
+    Ok((parsed, text))
+}
 
+/// `gpu_memory` (measured total on CUDA when nvidia-smi answers), `host_memory` (what is available
+/// now) and `nvme_capacity` (from the base).
+fn memory_fields(p: &mut HardwareProfile, out: &mut ProfileToml, args: &ProfileArgs, m: &Measured, from_base: &str) {
     // GPU memory: measured total on CUDA when nvidia-smi answers.
     if let Some(total) = m.gpu_memory_total {
         p.gpu_memory = ByteSize(total);
-        field("gpu_memory", total.to_string(), format!("measured: nvidia-smi memory.total ({})", ByteSize(total)));
+        out.field("gpu_memory", total.to_string(), format!("measured: nvidia-smi memory.total ({})", ByteSize(total)));
     } else {
-        field("gpu_memory", p.gpu_memory.0.to_string(), format!("{from_base}: {}", p.gpu_memory));
+        out.field("gpu_memory", p.gpu_memory.0.to_string(), format!("{from_base}: {}", p.gpu_memory));
     }
     // Host memory: what is available now; on the CPU executor the device budget lives in host memory too.
     if let Some(avail) = m.host_memory_available {
@@ -823,11 +914,16 @@ fn build_profile(
             DeviceChoice::Cpu => "MemAvailable less gpu_memory (the CPU executor's device budget is host memory)",
             DeviceChoice::Cuda | DeviceChoice::Wgpu => "MemAvailable",
         };
-        field("host_memory", usable.to_string(), format!("measured: {how} ({})", ByteSize(usable)));
+        out.field("host_memory", usable.to_string(), format!("measured: {how} ({})", ByteSize(usable)));
     } else {
-        field("host_memory", p.host_memory.0.to_string(), format!("{from_base}: {}", p.host_memory));
+        out.field("host_memory", p.host_memory.0.to_string(), format!("{from_base}: {}", p.host_memory));
     }
-    field("nvme_capacity", p.nvme_capacity.0.to_string(), format!("{from_base}: {}", p.nvme_capacity));
+    out.field("nvme_capacity", p.nvme_capacity.0.to_string(), format!("{from_base}: {}", p.nvme_capacity));
+}
+
+/// The transfer (`h2d_gb_per_s`, `d2h_gb_per_s`) and disk (`nvme_read_gb_per_s`,
+/// `nvme_write_gb_per_s`) bandwidths.
+fn bandwidth_fields(p: &mut HardwareProfile, out: &mut ProfileToml, m: &Measured, from_base: &str) {
     let source = m.transfer_source.clone().unwrap_or_default();
     for (key, measured, slot) in [
         ("h2d_gb_per_s", m.h2d_gb_per_s, &mut p.h2d_gb_per_s as &mut f64),
@@ -842,9 +938,9 @@ fn build_profile(
                     }
                     _ => String::new(),
                 };
-                field(key, format!("{v:?}"), format!("measured: {source}{extra}"));
+                out.field(key, format!("{v:?}"), format!("measured: {source}{extra}"));
             }
-            None => field(key, format!("{:?}", *slot), from_base.clone()),
+            None => out.field(key, format!("{:?}", *slot), from_base.to_string()),
         }
     }
     for (key, measured, slot) in [
@@ -854,7 +950,7 @@ fn build_profile(
         match measured {
             Some(v) => {
                 *slot = v;
-                field(
+                out.field(
                     key,
                     format!("{v:?}"),
                     format!(
@@ -865,13 +961,24 @@ fn build_profile(
                     ),
                 );
             }
-            None => field(key, format!("{:?}", *slot), from_base.clone()),
+            None => out.field(key, format!("{:?}", *slot), from_base.to_string()),
         }
     }
+}
+
+/// `peak_tflops` (the measured GEMM peak) and `efficiency` (the decoder-layer fit, or the base's
+/// layer FLOP rate over the measured peak).
+fn compute_fields(
+    p: &mut HardwareProfile,
+    out: &mut ProfileToml,
+    base: &HardwareProfile,
+    m: &Measured,
+    from_base: &str,
+) {
     match m.gemm_tflops {
         Some(t) => {
             p.peak_tflops = t;
-            field(
+            out.field(
                 "peak_tflops",
                 format!("{t:?}"),
                 format!(
@@ -884,12 +991,12 @@ of `{}` is {})",
                 ),
             );
         }
-        None => field("peak_tflops", format!("{:?}", p.peak_tflops), from_base.clone()),
+        None => out.field("peak_tflops", format!("{:?}", p.peak_tflops), from_base.to_string()),
     }
     match m.efficiency {
         Some(e) => {
             p.efficiency = e;
-            field(
+            out.field(
                 "efficiency",
                 format!("{e:?}"),
                 format!(
@@ -908,7 +1015,7 @@ lt-sched's cost model reproduces it at the measured peak{}",
             // FLOP rate rather than pairing it with the measured GEMM peak.
             let e = (base.efficiency * base.peak_tflops / p.peak_tflops).clamp(1e-6, 1.0);
             p.efficiency = e;
-            field(
+            out.field(
                 "efficiency",
                 format!("{e:?}"),
                 format!(
@@ -917,12 +1024,17 @@ lt-sched's cost model reproduces it at the measured peak{}",
                 ),
             );
         }
-        None => field("efficiency", format!("{:?}", p.efficiency), from_base.clone()),
+        None => out.field("efficiency", format!("{:?}", p.efficiency), from_base.to_string()),
     }
+}
+
+/// `linear_efficiency`: the Gated DeltaNet layer fit, else the base's value when it has one (the
+/// field is left out otherwise).
+fn linear_efficiency_field(p: &mut HardwareProfile, out: &mut ProfileToml, m: &Measured, from_base: &str) {
     match m.linear_efficiency {
         Some(e) => {
             p.linear_efficiency = Some(e);
-            field(
+            out.field(
                 "linear_efficiency",
                 format!("{e:?}"),
                 format!(
@@ -938,10 +1050,14 @@ lt-sched's cost model reproduces it at the measured peak{}",
         }
         None => {
             if let Some(e) = p.linear_efficiency {
-                field("linear_efficiency", format!("{e:?}"), from_base.clone());
+                out.field("linear_efficiency", format!("{e:?}"), from_base.to_string());
             }
         }
     }
+}
+
+/// `optimizer_gparams_per_s`: the measured throughput of the `--optimizer` variant.
+fn optimizer_field(p: &mut HardwareProfile, out: &mut ProfileToml, args: &ProfileArgs, m: &Measured, from_base: &str) {
     let opt = match args.optimizer {
         OptimizerChoice::Adamw8bit => m.adamw8bit_gparams_per_s,
         OptimizerChoice::Adamw => m.adamw_gparams_per_s,
@@ -949,7 +1065,7 @@ lt-sched's cost model reproduces it at the measured peak{}",
     match opt {
         Some(g) => {
             p.optimizer_gparams_per_s = g;
-            field(
+            out.field(
                 "optimizer_gparams_per_s",
                 format!("{g:?}"),
                 format!(
@@ -966,24 +1082,8 @@ Gparam/s)",
                 ),
             );
         }
-        None => field("optimizer_gparams_per_s", format!("{:?}", p.optimizer_gparams_per_s), from_base.clone()),
+        None => out.field("optimizer_gparams_per_s", format!("{:?}", p.optimizer_gparams_per_s), from_base.to_string()),
     }
-    field("gpu_reserved", p.gpu_reserved.0.to_string(), format!("{from_base}: {}", p.gpu_reserved));
-    field("gemm_half_efficiency_rows", format!("{:?}", p.gemm_half_efficiency_rows), from_base.clone());
-    let dtype_bytes: u32 = match args.device {
-        DeviceChoice::Cpu | DeviceChoice::Wgpu => 4,
-        DeviceChoice::Cuda => 2,
-    };
-    p.compute_dtype_bytes = dtype_bytes;
-    field(
-        "compute_dtype_bytes",
-        dtype_bytes.to_string(),
-        format!("the executor's device dtype on --device {device} ({})", if dtype_bytes == 4 { "f32" } else { "bf16" }),
-    );
-    let text = lines.join("\n") + "\n";
-    let parsed = lt_sched::hardware::profile_from_toml(&text, &args.out.display().to_string())
-        .context("the measured profile does not validate (a measurement went wrong)")?;
-    Ok((parsed, text))
 }
 
 #[cfg(test)]

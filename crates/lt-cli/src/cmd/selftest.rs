@@ -40,8 +40,8 @@ use lt_model::model::{Batch, forward_logits, full_graph_grads, to_vec};
 use lt_model::weights::DeviceModel;
 use lt_optim::{AdamWConfig, OptimizerKind};
 
-use super::bench_train::{Failure, catch_panics};
-use crate::device::DeviceChoice;
+use crate::failure::{Failure, catch_panics};
+use lt_run::DeviceChoice;
 
 /// Arguments of `lt selftest`.
 #[derive(Debug, Clone, clap::Args)]
@@ -371,16 +371,7 @@ pub fn run(args: &SelftestArgs) -> Result<()> {
     if args.train_steps == 0 {
         bail!("--train-steps: must be > 0");
     }
-    let mut models = fixture_models(&args.fixtures)?;
-    if !args.only.is_empty() {
-        for want in &args.only {
-            if !models.iter().any(|(n, _)| n == want) {
-                let names: Vec<&str> = models.iter().map(|(n, _)| n.as_str()).collect();
-                bail!("--only {want}: no such fixture model (have: {})", names.join(", "));
-            }
-        }
-        models.retain(|(n, _)| args.only.contains(n));
-    }
+    let models = selected_models(args)?;
     let cpu_model = generic_model::<lt_model::CpuAutodiff>("cpu", TOL_CPU);
     let cpu_train = generic_train::<lt_model::CpuAutodiff>();
     #[cfg(feature = "cuda")]
@@ -412,80 +403,21 @@ pub fn run(args: &SelftestArgs) -> Result<()> {
         }
         #[cfg(feature = "wgpu")]
         DeviceChoice::Wgpu => {
-            crate::device::wgpu()?;
+            lt_run::device::wgpu()?;
             vec![UnderTest { label: "wgpu-f32", tol: TOL_F32, model: &wgpu_model, train: &wgpu_train }]
         }
         #[allow(unreachable_patterns)]
-        d => return Err(crate::device::not_built(d)),
+        d => return Err(lt_run::device::not_built(d)),
     };
     let spill_dir = std::env::temp_dir().join(format!("lt-selftest-spill-{}", std::process::id()));
     let started = std::time::Instant::now();
     let mut checks: Vec<Check> = Vec::new();
+    let ctx = FixtureRun { args, backends: &backends, cpu_train: &cpu_train, spill_dir: &spill_dir };
     let pb = crate::progress::bar(models.len() as u64, "selftest");
     for (name, dir) in &models {
         pb.set_message(format!("selftest {name}"));
         pb.inc(1);
-        let loaded = HostModel::load(dir)
-            .map_err(anyhow::Error::from)
-            .and_then(|h| read_batch(&dir.join("tokens.jsonl")).map(|b| (h, b)));
-        let (host, batch) = match loaded {
-            Ok(x) => x,
-            Err(e) => {
-                checks.push(Check::failed(format!("{name}/load"), "cpu", format!("{e:#}")));
-                continue;
-            }
-        };
-        let r = match catch_panics(|| Ok::<_, Failure>(reference(&host, &batch))) {
-            Ok(r) => r,
-            Err(e) => {
-                checks.push(Check::failed(format!("{name}/reference"), "cpu", e.to_string()));
-                continue;
-            }
-        };
-        for b in &backends {
-            checks.extend(guarded(&format!("{name}/model"), b.label, || Ok((b.model)(name, &host, &batch, &r))));
-        }
-        // Streamed training, when the fixture has a training batch.
-        let train_file = args.fixtures.join("train").join(name).join("train.jsonl");
-        if train_file.is_file() {
-            let tb = match read_batch(&train_file) {
-                Ok(tb) => tb,
-                Err(e) => {
-                    checks.push(Check::failed(format!("{name}/train data"), "cpu", format!("{e:#}")));
-                    continue;
-                }
-            };
-            let layers = host.config.num_layers();
-            let cpu_run = || (cpu_train)(&host, &tb, ExecPlan::keep_all(layers), 1, args.train_steps, &spill_dir);
-            let want = match catch_panics(|| cpu_run().map_err(|e| Failure::from_error(&e))) {
-                Ok(l) if l.len() == args.train_steps && l.iter().all(|x| x.is_finite()) => l,
-                Ok(l) => {
-                    let msg = format!("CPU reference losses are not usable: {l:?}");
-                    checks.push(Check::failed(format!("{name}/train reference"), "cpu", msg));
-                    continue;
-                }
-                Err(e) => {
-                    checks.push(Check::failed(format!("{name}/train reference"), "cpu", e.to_string()));
-                    continue;
-                }
-            };
-            for b in &backends {
-                for (policy, plan, micro) in policies(layers) {
-                    let check = format!("{name}/train {policy}");
-                    checks.extend(guarded(&check, b.label, || {
-                        let got = (b.train)(&host, &tb, plan, micro, args.train_steps, &spill_dir)?;
-                        let worst = got.iter().zip(&want).map(|(g, w)| rel(*g, *w)).fold(0.0, nan_max);
-                        Ok(vec![Check::new(
-                            format!("{check} ({} steps)", args.train_steps),
-                            b.label,
-                            "worst relative loss",
-                            if got.len() == want.len() { worst } else { f64::NAN },
-                            b.tol.train_loss,
-                        )])
-                    }));
-                }
-            }
-        }
+        fixture_checks(&ctx, name, dir, &mut checks);
     }
     pb.finish_and_clear();
     let _ = std::fs::remove_dir_all(&spill_dir);
@@ -502,6 +434,104 @@ pub fn run(args: &SelftestArgs) -> Result<()> {
         std::process::exit(1);
     }
     Ok(())
+}
+
+/// The fixture models to run: all of them, or those `--only` names (each of which must exist).
+fn selected_models(args: &SelftestArgs) -> Result<Vec<(String, PathBuf)>> {
+    let mut models = fixture_models(&args.fixtures)?;
+    if !args.only.is_empty() {
+        for want in &args.only {
+            if !models.iter().any(|(n, _)| n == want) {
+                let names: Vec<&str> = models.iter().map(|(n, _)| n.as_str()).collect();
+                bail!("--only {want}: no such fixture model (have: {})", names.join(", "));
+            }
+        }
+        models.retain(|(n, _)| args.only.contains(n));
+    }
+    Ok(models)
+}
+
+/// What every fixture's checks share: the flags, the backends under test, the CPU training
+/// reference and the spill folder.
+struct FixtureRun<'a> {
+    args: &'a SelftestArgs,
+    backends: &'a [UnderTest<'a>],
+    cpu_train: &'a TrainFn<'a>,
+    spill_dir: &'a Path,
+}
+
+/// Loads fixture `name` from `dir` and appends its model checks, then its streamed-training checks
+/// when it has a training batch, to `checks` (a failure to load or to compute a reference becomes
+/// one failed check).
+fn fixture_checks(ctx: &FixtureRun<'_>, name: &str, dir: &Path, checks: &mut Vec<Check>) {
+    let loaded = HostModel::load(dir)
+        .map_err(anyhow::Error::from)
+        .and_then(|h| read_batch(&dir.join("tokens.jsonl")).map(|b| (h, b)));
+    let (host, batch) = match loaded {
+        Ok(x) => x,
+        Err(e) => {
+            checks.push(Check::failed(format!("{name}/load"), "cpu", format!("{e:#}")));
+            return;
+        }
+    };
+    let r = match catch_panics(|| Ok::<_, Failure>(reference(&host, &batch))) {
+        Ok(r) => r,
+        Err(e) => {
+            checks.push(Check::failed(format!("{name}/reference"), "cpu", e.to_string()));
+            return;
+        }
+    };
+    for b in ctx.backends {
+        checks.extend(guarded(&format!("{name}/model"), b.label, || Ok((b.model)(name, &host, &batch, &r))));
+    }
+    // Streamed training, when the fixture has a training batch.
+    let train_file = ctx.args.fixtures.join("train").join(name).join("train.jsonl");
+    if train_file.is_file() {
+        train_checks(ctx, name, &host, &train_file, checks);
+    }
+}
+
+/// Appends the streamed-training checks of fixture `name` (every policy on every backend against
+/// the CPU keep-all losses) to `checks`.
+fn train_checks(ctx: &FixtureRun<'_>, name: &str, host: &HostModel, train_file: &Path, checks: &mut Vec<Check>) {
+    let (args, spill_dir) = (ctx.args, ctx.spill_dir);
+    let tb = match read_batch(train_file) {
+        Ok(tb) => tb,
+        Err(e) => {
+            checks.push(Check::failed(format!("{name}/train data"), "cpu", format!("{e:#}")));
+            return;
+        }
+    };
+    let layers = host.config.num_layers();
+    let cpu_run = || (ctx.cpu_train)(host, &tb, ExecPlan::keep_all(layers), 1, args.train_steps, spill_dir);
+    let want = match catch_panics(|| cpu_run().map_err(|e| Failure::from_error(&e))) {
+        Ok(l) if l.len() == args.train_steps && l.iter().all(|x| x.is_finite()) => l,
+        Ok(l) => {
+            let msg = format!("CPU reference losses are not usable: {l:?}");
+            checks.push(Check::failed(format!("{name}/train reference"), "cpu", msg));
+            return;
+        }
+        Err(e) => {
+            checks.push(Check::failed(format!("{name}/train reference"), "cpu", e.to_string()));
+            return;
+        }
+    };
+    for b in ctx.backends {
+        for (policy, plan, micro) in policies(layers) {
+            let check = format!("{name}/train {policy}");
+            checks.extend(guarded(&check, b.label, || {
+                let got = (b.train)(host, &tb, plan, micro, args.train_steps, spill_dir)?;
+                let worst = got.iter().zip(&want).map(|(g, w)| rel(*g, *w)).fold(0.0, nan_max);
+                Ok(vec![Check::new(
+                    format!("{check} ({} steps)", args.train_steps),
+                    b.label,
+                    "worst relative loss",
+                    if got.len() == want.len() { worst } else { f64::NAN },
+                    b.tol.train_loss,
+                )])
+            }));
+        }
+    }
 }
 
 fn render(checks: &[Check], passed: bool, seconds: f64) -> String {

@@ -1,0 +1,181 @@
+//! Choosing the plan a run executes (the planner, a fixed policy or a plan file), and the executor
+//! that runs it.
+
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use burn::tensor::backend::AutodiffBackend;
+use lt_core::{ByteSize, ModelConfig};
+use lt_exec::executor::Executor;
+use lt_exec::plan::{ExecPlan, Placement};
+
+use crate::config::{Policy, RunSettings};
+
+/// The plan the executor will run, and what the planner predicted for it (if it planned).
+#[derive(Debug, Clone)]
+pub struct ChosenPlan {
+    /// Boundary placements and loss chunk, as the executor runs them.
+    pub plan: ExecPlan,
+    /// Rows per micro-batch (1..=batch size).
+    pub micro_batch_size: usize,
+    /// The device memory budget the executor enforces.
+    pub budget: ByteSize,
+    /// The planner's predicted step time (seconds), when a plan was solved or loaded.
+    pub predicted_step_seconds: Option<f64>,
+    /// The simulator's timeline of one step (auto policy only).
+    pub predicted_trace: Option<lt_sched::sim::Trace>,
+    /// One line describing the plan (printed at the start of a run).
+    pub summary: String,
+    /// The plan as saved in checkpoints' metadata.
+    pub plan_json: serde_json::Value,
+}
+
+/// The plan a run with settings `s` executes on model `cfg`: the plan file when one is given, else
+/// the policy's (the planner's solution for `auto`).
+pub fn choose_plan(s: &RunSettings, cfg: &ModelConfig) -> Result<ChosenPlan> {
+    let mut chosen = choose(s, cfg)?;
+    chosen.micro_batch_size = chosen.micro_batch_size.clamp(1, s.batch_size);
+    Ok(chosen)
+}
+
+fn choose(s: &RunSettings, cfg: &ModelConfig) -> Result<ChosenPlan> {
+    let hw = s.hardware_profile()?;
+    let budget = hw.gpu_memory;
+    let layers = cfg.num_layers();
+    let fixed = |plan: ExecPlan, name: &str| ChosenPlan {
+        micro_batch_size: s.micro_batch_size.unwrap_or(s.batch_size),
+        summary: format!("policy {name}: kept boundaries {:?}", plan.kept()),
+        plan_json: serde_json::json!({"policy": name, "boundaries": plan.boundaries}),
+        plan,
+        budget,
+        predicted_step_seconds: None,
+        predicted_trace: None,
+    };
+    if let Some(path) = &s.plan {
+        let p = lt_sched::plan::Plan::load(path)?;
+        p.validate(cfg).with_context(|| format!("{}: plan does not fit this model", path.display()))?;
+        anyhow::ensure!(
+            p.batch_size == s.batch_size && p.seq_len == s.seq_len,
+            "{}: plan was solved for batch {} x seq {}, but this run uses batch {} x seq {}",
+            path.display(),
+            p.batch_size,
+            p.seq_len,
+            s.batch_size,
+            s.seq_len
+        );
+        return Ok(ChosenPlan {
+            plan: ExecPlan::from_sched(&p),
+            micro_batch_size: s.micro_batch_size.unwrap_or(p.micro_batch_size),
+            budget,
+            predicted_step_seconds: Some(p.predicted.step_seconds),
+            predicted_trace: None,
+            summary: format!("plan file {}: predicted step {:.3} s", path.display(), p.predicted.step_seconds),
+            plan_json: serde_json::to_value(&p)?,
+        });
+    }
+    Ok(match s.policy {
+        Policy::KeepAll => fixed(ExecPlan::keep_all(layers), "keep-all"),
+        Policy::RecomputeAll => fixed(ExecPlan::recompute_all(layers), "recompute-all"),
+        Policy::Megatrain => fixed(ExecPlan::every(layers, 4, Placement::Device), "megatrain"),
+        Policy::Auto => {
+            let mut req = lt_sched::planner::PlanRequest::new(s.batch_size, s.seq_len);
+            req.micro_batch_size = s.micro_batch_size;
+            req.grad_clipping = s.adamw.max_grad_norm.is_some();
+            req.trace = true;
+            req.cost.optimizer = s.optimizer.state();
+            // The executor's attention (lt_model::ops::sdpa) materialises the T x T scores on every
+            // backend, so plan with that kernel's FLOPs and memory, not flash attention's.
+            req.cost.attention = lt_sched::cost::AttentionKernel::Materialized;
+            let out = lt_sched::planner::plan(cfg, &hw, &req)?;
+            let p = &out.plan;
+            let tiers: Vec<&str> = p
+                .boundaries
+                .iter()
+                .map(|b| match b {
+                    lt_sched::plan::Placement::Gpu => "G",
+                    lt_sched::plan::Placement::Host => "H",
+                    lt_sched::plan::Placement::Nvme => "N",
+                    lt_sched::plan::Placement::Recompute => ".",
+                })
+                .collect();
+            ChosenPlan {
+                plan: ExecPlan::from_sched(p),
+                micro_batch_size: p.micro_batch_size,
+                budget,
+                predicted_step_seconds: Some(p.predicted.step_seconds),
+                predicted_trace: Some(out.sim.trace.clone()),
+                summary: format!(
+                    "plan (auto, {} profile, solved in {:.0} ms): boundaries [{}] (G gpu, H host, N nvme, . recompute), \
+micro-batch {} x {} accumulation, loss chunk {} tokens; predicted step {:.3} s, predicted peak device {}",
+                    hw.name,
+                    p.solver.solve_seconds * 1e3,
+                    tiers.join(""),
+                    p.micro_batch_size,
+                    p.grad_accum_steps,
+                    p.loss_chunk_tokens,
+                    p.predicted.step_seconds,
+                    ByteSize(p.predicted.peak_gpu_bytes)
+                ),
+                plan_json: serde_json::to_value(p)?,
+            }
+        }
+    })
+}
+
+/// The plan needs more device memory than the budget allows (checked before anything is uploaded).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BudgetTooSmall {
+    /// The device budget.
+    pub budget: ByteSize,
+    /// What the plan needs at its peak.
+    pub needed: ByteSize,
+    /// Rows per micro-batch.
+    pub micro_batch_size: usize,
+    /// Tokens per row.
+    pub seq_len: usize,
+}
+
+impl std::fmt::Display for BudgetTooSmall {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "device memory budget {} is too small for micro-batch {} x {} tokens with this plan: it needs at least {} \
+(try --gpu-memory {} or a smaller --micro-batch-size)",
+            self.budget,
+            self.micro_batch_size,
+            self.seq_len,
+            self.needed,
+            lt_exec::budget::round_up(self.needed.0)
+        )
+    }
+}
+
+impl std::error::Error for BudgetTooSmall {}
+
+/// The executor for `chosen`: an NVMe spill store in `spill_dir` when the plan spills (sized for
+/// every spilled boundary of one micro-batch), and the device budget checked against the plan's
+/// peak. Returns the executor and, when a spill store was opened, one line describing it.
+pub fn executor_for<B: AutodiffBackend>(
+    chosen: &ChosenPlan,
+    cfg: &ModelConfig,
+    seq_len: usize,
+    device: <B::InnerBackend as burn::tensor::backend::BackendTypes>::Device,
+    spill_dir: &Path,
+) -> Result<(Executor<B>, Option<String>)> {
+    let micro = chosen.micro_batch_size;
+    let capacity = lt_exec::executor::spill_capacity::<B::InnerBackend>(&chosen.plan, cfg, micro, seq_len);
+    let (spill, note) = if capacity > 0 {
+        let (store, note) = crate::spill::open(spill_dir, capacity)?;
+        (Some(store), Some(note))
+    } else {
+        (None, None)
+    };
+    let executor = Executor::<B>::new(chosen.plan.clone(), chosen.budget, device, spill);
+    let need = executor.required_device_bytes(cfg, micro, seq_len);
+    if need > chosen.budget.0 {
+        return Err(
+            BudgetTooSmall { budget: chosen.budget, needed: ByteSize(need), micro_batch_size: micro, seq_len }.into()
+        );
+    }
+    Ok((executor, note))
+}
