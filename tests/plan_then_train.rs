@@ -40,14 +40,11 @@ fn a_saved_plan_is_executed_as_solved() {
     assert_eq!(report.predicted_step_seconds, Some(solved.predicted.step_seconds));
     assert_eq!(report.steps, 3);
 
-    // The same file for another batch shape: one line naming the file and both shapes.
-    let other =
-        Run::builder(common::fixture_run("qwen3-tied-mqa", &dir.path().join("b4"), 1).plan(&path).batch_size(4))
-            .build()
-            .unwrap()
-            .execute()
-            .unwrap_err();
-    let msg = format!("{other:#}");
-    assert!(msg.contains("plan.json") && msg.contains("batch 2") && msg.contains("batch 4"), "{msg}");
-    assert!(!dir.path().join("b4/metrics.jsonl").exists(), "nothing trained");
+    // The same file for another batch shape: refused when the run is built, in one line naming the
+    // file, the field and both values.
+    let config = common::fixture_run("qwen3-tied-mqa", &dir.path().join("b4"), 1).plan(&path).batch_size(4);
+    let msg = format!("{:#}", Run::builder(config).build().err().unwrap());
+    assert!(msg.contains("plan.json") && msg.contains("batch_size") && msg.contains("--batch-size is 4"), "{msg}");
+    assert!(!msg.contains('\n'), "{msg}");
+    assert!(!dir.path().join("b4/metrics.jsonl").exists(), "nothing ran");
 }

@@ -86,3 +86,48 @@ fn run_file_fills_settings_and_bad_keys_are_named() {
     assert!(err.contains("run.toml") && err.contains("stpes"), "{err}");
     assert_eq!(err.trim_end().lines().count(), 1, "{err}");
 }
+
+/// `lt plan --out p.json` then `lt train --plan p.json`: batch and seq come from the plan, the run
+/// prints the plan's predicted step, and a flag that contradicts the plan is a one-line error.
+#[test]
+fn plan_file_round_trip_runs_the_planned_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = fixtures();
+    let plan = dir.path().join("p.json");
+    let st = Command::new(env!("CARGO_BIN_EXE_lt"))
+        .args(["plan", "--model-config"])
+        .arg(f.join("models/qwen3-tied-mqa"))
+        .args(["--batch-size", "2", "--seq-len", "12", "--out"])
+        .arg(&plan)
+        .output()
+        .unwrap();
+    assert!(st.status.success(), "{}", String::from_utf8_lossy(&st.stderr));
+    let p: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&plan).unwrap()).unwrap();
+    let predicted = p["predicted"]["step_seconds"].as_f64().unwrap();
+
+    let train = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_lt"))
+            .args(["train", "--model"])
+            .arg(f.join("models/qwen3-tied-mqa"))
+            .arg("--data")
+            .arg(f.join("train/qwen3-tied-mqa/train.jsonl"))
+            .args(["--steps", "2", "--plan"])
+            .arg(&plan)
+            .arg("--out")
+            .arg(dir.path().join("run"))
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let st = train(&[]);
+    let (out, err) = (String::from_utf8_lossy(&st.stdout), String::from_utf8_lossy(&st.stderr));
+    assert!(st.status.success(), "{err}");
+    assert!(out.contains(&format!("vs {predicted:.3} s predicted")), "{out}");
+    assert!(err.contains(&format!("predicted step {predicted:.3} s")), "{err}");
+
+    let st = train(&["--seq-len", "16"]);
+    let err = String::from_utf8_lossy(&st.stderr);
+    assert!(!st.status.success());
+    assert!(err.contains("p.json") && err.contains("seq_len") && err.contains("--seq-len is 16"), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+}

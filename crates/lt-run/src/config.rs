@@ -43,7 +43,27 @@ pub enum OptimizerChoice {
     Adamw8bit,
 }
 
+impl Policy {
+    /// The name on the command line and in reports (`keep-all`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Policy::Auto => "auto",
+            Policy::Megatrain => "megatrain",
+            Policy::KeepAll => "keep-all",
+            Policy::RecomputeAll => "recompute-all",
+        }
+    }
+}
+
 impl OptimizerChoice {
+    /// The name on the command line and in reports (`adamw8bit`).
+    pub fn name(self) -> &'static str {
+        match self {
+            OptimizerChoice::Adamw => "adamw",
+            OptimizerChoice::Adamw8bit => "adamw8bit",
+        }
+    }
+
     /// What the planner's host-memory model assumes for this choice.
     pub fn state(self) -> lt_sched::cost::OptimizerState {
         match self {
@@ -414,8 +434,14 @@ impl RunSettings {
             if demo { demo_v } else { v }
         }
         let steps = o.steps.unwrap_or(d(demo, 200, 100));
-        let batch_size = o.batch_size.unwrap_or(d(demo, 12, 8));
-        let seq_len = o.seq_len.unwrap_or(d(demo, 256, 1024));
+        // A plan file fixes the step it was solved for: what the flags leave unset comes from it,
+        // and a flag that contradicts it is an error.
+        let from_plan = match &o.plan {
+            Some(path) => Some(PlanFileStep::read(path, o)?),
+            None => None,
+        };
+        let batch_size = o.batch_size.or(from_plan.as_ref().map(|p| p.batch_size)).unwrap_or(d(demo, 12, 8));
+        let seq_len = o.seq_len.or(from_plan.as_ref().map(|p| p.seq_len)).unwrap_or(d(demo, 256, 1024));
         let lr = o.lr.unwrap_or(if demo { 3e-3 } else { 1e-5 });
         let max_grad_norm = o.max_grad_norm.unwrap_or(1.0);
         let eval_fraction = o.eval_fraction.unwrap_or(if demo { 0.1 } else { 0.0 });
@@ -459,7 +485,7 @@ impl RunSettings {
             micro_batch_size: o.micro_batch_size,
             seq_len,
             adamw,
-            optimizer: o.optimizer.unwrap_or(OptimizerChoice::Adamw8bit),
+            optimizer: o.optimizer.or(from_plan.as_ref().map(|p| p.optimizer)).unwrap_or(OptimizerChoice::Adamw8bit),
             warmup_steps: o.warmup_steps.unwrap_or(d(demo, 20, 0)),
             schedule: if o.cosine || demo { LrSchedule::Cosine } else { LrSchedule::Constant },
             shuffle: !o.no_shuffle,
@@ -482,10 +508,65 @@ impl RunSettings {
             train_on_prompt: o.train_on_prompt,
             skip_bad_records: o.skip_bad_records,
             threads: o.threads.unwrap_or(cores).max(1),
-            overlap_optimizer: !o.serial_optimizer,
+            overlap_optimizer: from_plan.as_ref().map_or(!o.serial_optimizer, |p| p.overlap_optimizer),
             spill_dir: o.spill_dir.clone().unwrap_or_else(|| out.join("spill")),
             format: o.format.unwrap_or(lt_data::DatasetFormat::Auto),
         })
+    }
+}
+
+/// What a plan file (`lt plan --out`) fixes about the step, checked against the flags and against
+/// what the executor implements.
+struct PlanFileStep {
+    batch_size: usize,
+    seq_len: usize,
+    optimizer: OptimizerChoice,
+    overlap_optimizer: bool,
+}
+
+impl PlanFileStep {
+    fn read(path: &Path, o: &RunConfig) -> Result<Self> {
+        use lt_sched::cost::{AttentionKernel, OptimizerState};
+        let p = lt_sched::plan::Plan::load(path)?;
+        let file = path.display();
+        if p.attention != AttentionKernel::Materialized {
+            bail!(
+                "{file}: attention: the plan was solved for flash attention, but the executor materialises the \
+scores; re-plan with `lt plan --attention materialized`"
+            );
+        }
+        let overlap_optimizer = match p.optimizer_overlap {
+            lt_sched::OptimizerOverlap::OverlapNextForward => true,
+            lt_sched::OptimizerOverlap::Serial => false,
+            lt_sched::OptimizerOverlap::OverlapBackward => bail!(
+                "{file}: optimizer_overlap: `backward` is not what the executor runs (it overlaps the optimizer \
+with the next forward, or runs it serially); re-plan with `lt plan --optimizer-overlap next-forward` or `serial`"
+            ),
+        };
+        if o.serial_optimizer && overlap_optimizer {
+            bail!(
+                "{file}: optimizer_overlap: the plan overlaps the optimizer with the next forward, but --serial-optimizer asks for serial"
+            );
+        }
+        let optimizer = match p.optimizer_state {
+            OptimizerState::Fp32 => OptimizerChoice::Adamw,
+            OptimizerState::Blockwise8bit => OptimizerChoice::Adamw8bit,
+        };
+        if let Some(given) = o.optimizer.filter(|g| *g != optimizer) {
+            bail!(
+                "{file}: optimizer_state: the plan was solved for {} state, but --optimizer is {}",
+                optimizer.name(),
+                given.name()
+            );
+        }
+        for (field, flag, given, planned) in
+            [("batch_size", "--batch-size", o.batch_size, p.batch_size), ("seq_len", "--seq-len", o.seq_len, p.seq_len)]
+        {
+            if let Some(g) = given.filter(|g| *g != planned) {
+                bail!("{file}: {field}: the plan was solved for {planned}, but {flag} is {g}");
+            }
+        }
+        Ok(Self { batch_size: p.batch_size, seq_len: p.seq_len, optimizer, overlap_optimizer })
     }
 }
 

@@ -81,6 +81,12 @@ fn choose(s: &RunSettings, cfg: &ModelConfig) -> Result<ChosenPlan> {
             let mut req = lt_sched::planner::PlanRequest::new(s.batch_size, s.seq_len);
             req.micro_batch_size = s.micro_batch_size;
             req.grad_clipping = s.adamw.max_grad_norm.is_some();
+            // Plan the optimizer mode the executor runs: overlapped with the next forward, or serial.
+            req.optimizer_overlap = Some(if s.overlap_optimizer {
+                lt_sched::OptimizerOverlap::OverlapNextForward
+            } else {
+                lt_sched::OptimizerOverlap::Serial
+            });
             req.trace = true;
             req.cost.optimizer = s.optimizer.state();
             // The executor's attention (lt_model::ops::sdpa) materialises the T x T scores on every

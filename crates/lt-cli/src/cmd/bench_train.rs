@@ -284,7 +284,7 @@ fn bench(args: &BenchTrainArgs) -> Result<Report, Failure> {
                     "host memory: this run needs about {} (fp32 masters, fp32 gradients, {} state, host-tier \
 activations) but only {} is available (MemAvailable)",
                     ByteSize(need),
-                    optimizer_name(s.optimizer),
+                    s.optimizer.name(),
                     ByteSize(avail)
                 ),
             ));
@@ -304,22 +304,6 @@ activations) but only {} is available (MemAvailable)",
         }
         #[allow(unreachable_patterns)]
         d => Err(Failure::new(FailKind::Error, lt_run::device::not_built(d).to_string())),
-    }
-}
-
-fn optimizer_name(o: OptimizerChoice) -> &'static str {
-    match o {
-        OptimizerChoice::Adamw => "adamw",
-        OptimizerChoice::Adamw8bit => "adamw8bit",
-    }
-}
-
-fn policy_name(p: Policy) -> &'static str {
-    match p {
-        Policy::Auto => "auto",
-        Policy::Megatrain => "megatrain",
-        Policy::KeepAll => "keep-all",
-        Policy::RecomputeAll => "recompute-all",
     }
 }
 
@@ -608,7 +592,7 @@ fn figures(
         "model": model_name(args.model_config.as_ref().or(args.model.as_ref()).map_or(Path::new("model"), |p| p.as_path())),
         "params": cfg.total_params(),
         "layers": cfg.num_layers(),
-        "policy": policy_name(s.policy),
+        "policy": s.policy.name(),
         "plan": plan_str,
         "batch_size": s.batch_size,
         "seq_len": s.seq_len,
@@ -620,7 +604,7 @@ fn figures(
         "device": device_name,
         "compute_dtype": dtype,
         "hardware": hardware,
-        "optimizer": optimizer_name(s.optimizer),
+        "optimizer": s.optimizer.name(),
         "threads": s.threads,
         "overlap_optimizer": s.overlap_optimizer,
         "step_seconds": step_seconds,

@@ -46,7 +46,8 @@ pub struct PlanArgs {
     /// exact (add --no-grad-clip to allow `backward`).
     #[arg(long, value_enum, default_value_t = OverlapArg::Auto)]
     pub optimizer_overlap: OverlapArg,
-    /// Training runs without gradient clipping: lets `auto` overlap the optimizer with backward.
+    /// Training runs without gradient clipping: lets `auto` overlap the optimizer with backward
+    /// (predicted only: the executor does not implement `backward`, so `lt train --plan` refuses it).
     #[arg(long)]
     pub no_grad_clip: bool,
     /// Force the micro-batch size (must divide --batch-size); default: chosen by the planner.
@@ -55,8 +56,9 @@ pub struct PlanArgs {
     /// Force the loss chunk in tokens; default: chosen by the planner.
     #[arg(long)]
     pub loss_chunk_tokens: Option<usize>,
-    /// Attention kernel of the executor (changes attention FLOPs and memory).
-    #[arg(long, value_enum, default_value_t = AttentionArg::Flash)]
+    /// Attention kernel (changes attention FLOPs and memory). The executor materialises the scores,
+    /// so `lt train --plan` runs only `materialized` plans; `flash` predicts a fused kernel, for comparison.
+    #[arg(long, value_enum, default_value_t = AttentionArg::Materialized)]
     pub attention: AttentionArg,
     /// Longest recomputed segment the planner considers.
     #[arg(long, default_value_t = planner::DEFAULT_MAX_SEGMENT_LEN)]
@@ -73,7 +75,8 @@ pub enum OverlapArg {
     Auto,
     /// After backward, then the next step (MegaTrain).
     Serial,
-    /// Each layer as its gradient arrives in backward (inexact with global-norm clipping).
+    /// Each layer as its gradient arrives in backward (inexact with global-norm clipping; predicted
+    /// only, the executor does not implement it).
     Backward,
     /// In forward order while the next step's forward runs.
     NextForward,
@@ -82,10 +85,10 @@ pub enum OverlapArg {
 /// `--attention` choices.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum AttentionArg {
-    /// Fused attention (flash): causal blocks skipped, scores never stored.
-    Flash,
-    /// Scores materialised, as Burn's autodiff does.
+    /// Scores materialised, as Burn's autodiff does (what the executor runs).
     Materialized,
+    /// Fused attention (flash): causal blocks skipped, scores never stored (predicted only).
+    Flash,
 }
 
 /// The validated request: flags turned into runtime objects.
