@@ -110,7 +110,9 @@ fn bench_train_fixed_policy_is_predicted_by_the_simulator() {
     assert_eq!(v["policy"], "megatrain");
     assert_eq!(v["plan"], "G.G", "2 layers: boundaries 0 and 2 kept");
     assert!(f(&v, "predicted_step_seconds") > 0.0);
-    assert!(v["predicted_source"].as_str().is_some_and(|s| s.contains("fixed plan")));
+    assert!(v["predicted_source"].as_str().is_some_and(|s| s.contains("MegaTrain baseline")));
+    assert_eq!(v["overlap_optimizer"], false, "MegaTrain runs the optimizer after backward");
+    assert_eq!(v["loss_chunk_tokens"], 4096.min(f(&v, "micro_batch_size") as u64 * 16), "{v}");
     // Without --json the human summary is on stderr.
     assert!(String::from_utf8_lossy(&out.stderr).contains("TFLOPS"));
 }

@@ -25,7 +25,8 @@ use crate::device::DeviceChoice;
 pub enum Policy {
     /// The planner (MILP) chooses per boundary: keep on GPU, host or NVMe, or recompute.
     Auto,
-    /// A checkpoint every 4 layers kept on the GPU (the MegaTrain baseline).
+    /// The MegaTrain baseline as published: a GPU checkpoint every 4 layers, the optimizer serial after
+    /// backward, 4,096-token loss chunks (lt-sched's `planner::baseline`, the same step predicted and measured).
     Megatrain,
     /// Keep every boundary on the GPU.
     KeepAll,

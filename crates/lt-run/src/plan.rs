@@ -7,7 +7,7 @@ use anyhow::{Context, Result};
 use burn::tensor::backend::AutodiffBackend;
 use lt_core::{ByteSize, ModelConfig};
 use lt_exec::executor::Executor;
-use lt_exec::plan::{ExecPlan, Placement};
+use lt_exec::plan::ExecPlan;
 
 use crate::config::{Policy, RunSettings};
 
@@ -20,8 +20,10 @@ pub struct ChosenPlan {
     pub micro_batch_size: usize,
     /// The device memory budget the executor enforces.
     pub budget: ByteSize,
-    /// The planner's predicted step time (seconds), when a plan was solved or loaded.
+    /// The planner's predicted step time (seconds), when a plan was solved, loaded or replayed.
     pub predicted_step_seconds: Option<f64>,
+    /// Whether the host optimizer overlaps the next step's forward (else it runs after backward).
+    pub overlap_optimizer: bool,
     /// The simulator's timeline of one step (auto policy only).
     pub predicted_trace: Option<lt_sched::sim::Trace>,
     /// One line describing the plan (printed at the start of a run).
@@ -49,6 +51,7 @@ fn choose(s: &RunSettings, cfg: &ModelConfig) -> Result<ChosenPlan> {
         plan,
         budget,
         predicted_step_seconds: None,
+        overlap_optimizer: s.overlap_optimizer,
         predicted_trace: None,
     };
     if let Some(path) = &s.plan {
@@ -68,6 +71,7 @@ fn choose(s: &RunSettings, cfg: &ModelConfig) -> Result<ChosenPlan> {
             micro_batch_size: s.micro_batch_size.unwrap_or(p.micro_batch_size),
             budget,
             predicted_step_seconds: Some(p.predicted.step_seconds),
+            overlap_optimizer: s.overlap_optimizer,
             predicted_trace: None,
             summary: format!("plan file {}: predicted step {:.3} s", path.display(), p.predicted.step_seconds),
             plan_json: serde_json::to_value(&p)?,
@@ -76,7 +80,7 @@ fn choose(s: &RunSettings, cfg: &ModelConfig) -> Result<ChosenPlan> {
     Ok(match s.policy {
         Policy::KeepAll => fixed(ExecPlan::keep_all(layers), "keep-all"),
         Policy::RecomputeAll => fixed(ExecPlan::recompute_all(layers), "recompute-all"),
-        Policy::Megatrain => fixed(ExecPlan::every(layers, 4, Placement::Device), "megatrain"),
+        Policy::Megatrain => megatrain(s, cfg, &hw)?,
         Policy::Auto => {
             let mut req = lt_sched::planner::PlanRequest::new(s.batch_size, s.seq_len);
             req.micro_batch_size = s.micro_batch_size;
@@ -109,6 +113,7 @@ fn choose(s: &RunSettings, cfg: &ModelConfig) -> Result<ChosenPlan> {
                 micro_batch_size: p.micro_batch_size,
                 budget,
                 predicted_step_seconds: Some(p.predicted.step_seconds),
+                overlap_optimizer: s.overlap_optimizer,
                 predicted_trace: Some(out.sim.trace.clone()),
                 summary: format!(
                     "plan (auto, {} profile, solved in {:.0} ms): boundaries [{}] (G gpu, H host, N nvme, . recompute), \
@@ -125,6 +130,49 @@ micro-batch {} x {} accumulation, loss chunk {} tokens; predicted step {:.3} s, 
                 plan_json: serde_json::to_value(p)?,
             }
         }
+    })
+}
+
+/// The MegaTrain baseline, defined once (lt-sched's `planner::baseline`, as REFERENCE.md §2 describes
+/// MegaTrain): a GPU checkpoint every 4 layers, the optimizer serial after backward, 4,096-token loss
+/// chunks, the largest micro-batch that fits. Predicted and measured rows run this same step. (The
+/// prediction also counts the logits MegaTrain keeps alive until its final backward; the executor
+/// frees each chunk's, so it measures that memory as lower.)
+fn megatrain(s: &RunSettings, cfg: &ModelConfig, hw: &lt_core::hardware::HardwareProfile) -> Result<ChosenPlan> {
+    let mut req = lt_sched::planner::PlanRequest::new(s.batch_size, s.seq_len);
+    req.trace = true;
+    req.cost.optimizer = s.optimizer.state();
+    req.cost.attention = lt_sched::cost::AttentionKernel::Materialized;
+    let which = lt_sched::planner::Baseline::Megatrain;
+    let Some((p, sim)) = lt_sched::planner::baseline(cfg, hw, &req, which)? else {
+        anyhow::bail!(
+            "policy megatrain: not even one sequence of {} tokens per micro-batch fits the {} device memory of the {} \
+profile (predicted); try --gpu-memory or --policy auto",
+            s.seq_len,
+            hw.gpu_memory,
+            hw.name
+        );
+    };
+    // A micro-batch given on the command line is run as given; the prediction is for the baseline's.
+    let micro_batch_size = s.micro_batch_size.unwrap_or(p.micro_batch_size);
+    let predicted = (micro_batch_size == p.micro_batch_size).then_some(p.predicted.step_seconds);
+    Ok(ChosenPlan {
+        plan: ExecPlan::from_sched(&p),
+        micro_batch_size,
+        budget: hw.gpu_memory,
+        summary: format!(
+            "policy megatrain (a GPU checkpoint every {} layers, serial optimizer, {}-token loss chunks): micro-batch \
+{} x {} accumulation{}",
+            lt_sched::planner::Baseline::MEGATRAIN_INTERVAL,
+            p.loss_chunk_tokens,
+            micro_batch_size,
+            s.batch_size / micro_batch_size.max(1),
+            predicted.map(|t| format!("; predicted step {t:.3} s")).unwrap_or_default()
+        ),
+        plan_json: serde_json::to_value(&p)?,
+        predicted_step_seconds: predicted,
+        overlap_optimizer: false,
+        predicted_trace: predicted.map(|_| sim.trace),
     })
 }
 

@@ -160,7 +160,7 @@ impl Run {
         let Prepared { train, eval, eval_examples, .. } = prepared;
         let batcher = batcher(s, &encoder, train, resumed.batcher)?;
         let model = Arc::new(SharedModel::new(resumed.host, resumed.completed));
-        let trainer = Trainer::new(model, executor, train_options(s), resumed.optim, resumed.completed)?;
+        let trainer = Trainer::new(model, executor, train_options(s, &chosen), resumed.optim, resumed.completed)?;
         let mut steps = Steps { s, chosen: &chosen, store: &resumed.store, trainer, batcher, losses: Vec::new() };
         let eval = Evaluator::new(s, &encoder, &eval, &eval_examples);
         let last = steps.train(obs, &eval)?;
@@ -273,7 +273,7 @@ fn batcher(
     })
 }
 
-fn train_options(s: &RunSettings) -> TrainOptions {
+fn train_options(s: &RunSettings, chosen: &ChosenPlan) -> TrainOptions {
     TrainOptions {
         adamw: s.adamw,
         optimizer: match s.optimizer {
@@ -283,7 +283,7 @@ fn train_options(s: &RunSettings) -> TrainOptions {
         warmup_steps: s.warmup_steps,
         schedule: s.schedule,
         total_steps: s.steps,
-        overlap_optimizer: s.overlap_optimizer,
+        overlap_optimizer: chosen.overlap_optimizer,
         threads: s.threads,
     }
 }

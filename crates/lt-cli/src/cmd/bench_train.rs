@@ -434,7 +434,7 @@ fn bench_on<B: AutodiffBackend>(
         warmup_steps: 0,
         schedule: LrSchedule::Constant,
         total_steps: s.steps,
-        overlap_optimizer: s.overlap_optimizer,
+        overlap_optimizer: chosen.overlap_optimizer,
         threads: s.threads,
     };
     let mut trainer =
@@ -509,7 +509,7 @@ fn cost_figures(s: &RunSettings, cfg: &ModelConfig, chosen: &ChosenPlan) -> Resu
     let err = |e: anyhow::Error| Failure::from_error(&e);
     let micro = chosen.micro_batch_size;
     let hw = s.hardware_profile().map_err(err)?;
-    let ecfg = exec_config(&chosen.plan, micro, s.batch_size, s.seq_len, s.overlap_optimizer);
+    let ecfg = exec_config(&chosen.plan, micro, s.batch_size, s.seq_len, chosen.overlap_optimizer);
     let sched_boundaries: Vec<lt_sched::Placement> = chosen.plan.boundaries.iter().map(|p| to_sched(*p)).collect();
     let recomputed = lt_sched::plan::recomputed_layers(&sched_boundaries);
     let executed = Instance::from_model(
@@ -522,6 +522,9 @@ fn cost_figures(s: &RunSettings, cfg: &ModelConfig, chosen: &ChosenPlan) -> Resu
     .map(|inst| inst.executed_flops_per_step(&recomputed))
     .map_err(|e| err(e.into()))?;
     let (predicted, predicted_source) = match chosen.predicted_step_seconds {
+        Some(p) if s.policy == Policy::Megatrain => {
+            (Some(p), "lt-sched's MegaTrain baseline (planner::baseline), simulator replay".to_string())
+        }
         Some(p) => (Some(p), "planner (lt-sched simulator replay of the solved plan)".to_string()),
         None => {
             // A fixed policy: replay exactly the executed shape in the planner's simulator.
@@ -606,7 +609,7 @@ fn figures(
         "hardware": hardware,
         "optimizer": s.optimizer.name(),
         "threads": s.threads,
-        "overlap_optimizer": s.overlap_optimizer,
+        "overlap_optimizer": chosen.overlap_optimizer,
         "step_seconds": step_seconds,
         "step_seconds_all": secs,
         "tokens_per_step": tokens,
