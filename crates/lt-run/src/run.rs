@@ -44,7 +44,8 @@ pub struct RunReport {
     pub out: PathBuf,
     /// The exported model (safetensors, config.json, tokenizer).
     pub model_dir: PathBuf,
-    /// The metrics file.
+    /// The metrics file (written by the default `MetricsFile` observer; absent after
+    /// `without_default_outputs()` unless an observer of yours writes it).
     pub metrics: PathBuf,
     /// The Chrome trace of the last step.
     pub trace: PathBuf,
