@@ -98,6 +98,19 @@ impl ExecPlan {
         Self { boundaries, loss_chunk_tokens: p.loss_chunk_tokens.max(1) }
     }
 
+    /// One letter per boundary: `G` device (GPU), `H` host, `N` NVMe, `.` recomputed.
+    pub fn tiers(&self) -> String {
+        self.boundaries
+            .iter()
+            .map(|p| match p {
+                Placement::Device => 'G',
+                Placement::Host => 'H',
+                Placement::Nvme => 'N',
+                Placement::Recompute => '.',
+            })
+            .collect()
+    }
+
     /// Kept boundaries in order (always includes 0 and L).
     pub fn kept(&self) -> Vec<usize> {
         self.boundaries.iter().enumerate().filter(|(_, p)| p.is_kept()).map(|(i, _)| i).collect()

@@ -376,6 +376,9 @@ pub struct RunSettings {
     pub policy: Policy,
     /// Plan file.
     pub plan: Option<PathBuf>,
+    /// The plan file's contents, read and checked against the flags once, here.
+    #[serde(skip)]
+    pub plan_file: Option<lt_sched::plan::Plan>,
     /// Hardware profile and budget overrides.
     pub hw: HardwareArgs,
     /// Output folder.
@@ -493,6 +496,7 @@ impl RunSettings {
             seed: o.seed.unwrap_or(42),
             policy: o.policy.unwrap_or(Policy::Auto),
             plan: o.plan.clone(),
+            plan_file: from_plan.as_ref().map(|p| p.plan.clone()),
             hw: HardwareArgs { hardware: Some(o.hw.spec(BuiltinProfile::Cpu)), ..o.hw.clone() },
             metrics: o.metrics.clone().unwrap_or_else(|| out.join("metrics.jsonl")),
             out: out.clone(),
@@ -519,6 +523,7 @@ impl RunSettings {
 /// What a plan file (`lt plan --out`) fixes about the step, checked against the flags and against
 /// what the executor implements.
 struct PlanFileStep {
+    plan: lt_sched::plan::Plan,
     batch_size: usize,
     seq_len: usize,
     optimizer: OptimizerChoice,
@@ -567,7 +572,7 @@ with the next forward, or runs it serially); re-plan with `lt plan --optimizer-o
                 bail!("{file}: {field}: the plan was solved for {planned}, but {flag} is {g}");
             }
         }
-        Ok(Self { batch_size: p.batch_size, seq_len: p.seq_len, optimizer, overlap_optimizer })
+        Ok(Self { batch_size: p.batch_size, seq_len: p.seq_len, optimizer, overlap_optimizer, plan: p })
     }
 }
 

@@ -18,8 +18,9 @@ pub struct ChosenPlan {
     pub plan: ExecPlan,
     /// Rows per micro-batch (1..=batch size).
     pub micro_batch_size: usize,
-    /// The device memory budget the executor enforces.
-    pub budget: ByteSize,
+    /// The hardware profile the plan is for (budgets overridden as the settings say); its
+    /// `gpu_memory` is the device budget the executor enforces.
+    pub hardware: lt_core::hardware::HardwareProfile,
     /// The planner's predicted step time (seconds), when a plan was solved, loaded or replayed.
     pub predicted_step_seconds: Option<f64>,
     /// Whether the host optimizer overlaps the next step's forward (else it runs after backward).
@@ -42,39 +43,30 @@ pub fn choose_plan(s: &RunSettings, cfg: &ModelConfig) -> Result<ChosenPlan> {
 
 fn choose(s: &RunSettings, cfg: &ModelConfig) -> Result<ChosenPlan> {
     let hw = s.hardware_profile()?;
-    let budget = hw.gpu_memory;
     let layers = cfg.num_layers();
     let fixed = |plan: ExecPlan, name: &str| ChosenPlan {
         micro_batch_size: s.micro_batch_size.unwrap_or(s.batch_size),
         summary: format!("policy {name}: kept boundaries {:?}", plan.kept()),
         plan_json: serde_json::json!({"policy": name, "boundaries": plan.boundaries}),
         plan,
-        budget,
+        hardware: hw.clone(),
         predicted_step_seconds: None,
         overlap_optimizer: s.overlap_optimizer,
         predicted_trace: None,
     };
-    if let Some(path) = &s.plan {
-        let p = lt_sched::plan::Plan::load(path)?;
+    // Batch, seq, optimizer state and mode were taken from the file, or checked against it, when the
+    // settings were resolved.
+    if let (Some(path), Some(p)) = (&s.plan, &s.plan_file) {
         p.validate(cfg).with_context(|| format!("{}: plan does not fit this model", path.display()))?;
-        anyhow::ensure!(
-            p.batch_size == s.batch_size && p.seq_len == s.seq_len,
-            "{}: plan was solved for batch {} x seq {}, but this run uses batch {} x seq {}",
-            path.display(),
-            p.batch_size,
-            p.seq_len,
-            s.batch_size,
-            s.seq_len
-        );
         return Ok(ChosenPlan {
-            plan: ExecPlan::from_sched(&p),
+            plan: ExecPlan::from_sched(p),
             micro_batch_size: s.micro_batch_size.unwrap_or(p.micro_batch_size),
-            budget,
+            hardware: hw.clone(),
             predicted_step_seconds: Some(p.predicted.step_seconds),
             overlap_optimizer: s.overlap_optimizer,
             predicted_trace: None,
             summary: format!("plan file {}: predicted step {:.3} s", path.display(), p.predicted.step_seconds),
-            plan_json: serde_json::to_value(&p)?,
+            plan_json: serde_json::to_value(p)?,
         });
     }
     Ok(match s.policy {
@@ -98,20 +90,10 @@ fn choose(s: &RunSettings, cfg: &ModelConfig) -> Result<ChosenPlan> {
             req.cost.attention = lt_sched::cost::AttentionKernel::Materialized;
             let out = lt_sched::planner::plan(cfg, &hw, &req)?;
             let p = &out.plan;
-            let tiers: Vec<&str> = p
-                .boundaries
-                .iter()
-                .map(|b| match b {
-                    lt_sched::plan::Placement::Gpu => "G",
-                    lt_sched::plan::Placement::Host => "H",
-                    lt_sched::plan::Placement::Nvme => "N",
-                    lt_sched::plan::Placement::Recompute => ".",
-                })
-                .collect();
+            let plan = ExecPlan::from_sched(p);
             ChosenPlan {
-                plan: ExecPlan::from_sched(p),
                 micro_batch_size: p.micro_batch_size,
-                budget,
+                hardware: hw.clone(),
                 predicted_step_seconds: Some(p.predicted.step_seconds),
                 overlap_optimizer: s.overlap_optimizer,
                 predicted_trace: Some(out.sim.trace.clone()),
@@ -120,7 +102,7 @@ fn choose(s: &RunSettings, cfg: &ModelConfig) -> Result<ChosenPlan> {
 micro-batch {} x {} accumulation, loss chunk {} tokens; predicted step {:.3} s, predicted peak device {}",
                     hw.name,
                     p.solver.solve_seconds * 1e3,
-                    tiers.join(""),
+                    plan.tiers(),
                     p.micro_batch_size,
                     p.grad_accum_steps,
                     p.loss_chunk_tokens,
@@ -128,6 +110,7 @@ micro-batch {} x {} accumulation, loss chunk {} tokens; predicted step {:.3} s, 
                     ByteSize(p.predicted.peak_gpu_bytes)
                 ),
                 plan_json: serde_json::to_value(p)?,
+                plan,
             }
         }
     })
@@ -159,7 +142,7 @@ profile (predicted); try --gpu-memory or --policy auto",
     Ok(ChosenPlan {
         plan: ExecPlan::from_sched(&p),
         micro_batch_size,
-        budget: hw.gpu_memory,
+        hardware: hw.clone(),
         summary: format!(
             "policy megatrain (a GPU checkpoint every {} layers, serial optimizer, {}-token loss chunks): micro-batch \
 {} x {} accumulation{}",
@@ -224,12 +207,16 @@ pub fn executor_for<B: AutodiffBackend>(
     } else {
         (None, None)
     };
-    let executor = Executor::<B>::new(chosen.plan.clone(), chosen.budget, device, spill);
+    let executor = Executor::<B>::new(chosen.plan.clone(), chosen.hardware.gpu_memory, device, spill);
     let need = executor.required_device_bytes(cfg, micro, seq_len);
-    if need > chosen.budget.0 {
-        return Err(
-            BudgetTooSmall { budget: chosen.budget, needed: ByteSize(need), micro_batch_size: micro, seq_len }.into()
-        );
+    if need > chosen.hardware.gpu_memory.0 {
+        return Err(BudgetTooSmall {
+            budget: chosen.hardware.gpu_memory,
+            needed: ByteSize(need),
+            micro_batch_size: micro,
+            seq_len,
+        }
+        .into());
     }
     Ok((executor, note))
 }

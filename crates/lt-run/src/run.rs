@@ -225,29 +225,23 @@ fn resume(s: &RunSettings, mut host: HostModel, obs: &mut Observers) -> Result<R
         Retention::KeepLast(s.keep_checkpoints.try_into().unwrap_or(std::num::NonZeroUsize::MIN)),
     );
     let (mut optim, mut completed, mut batcher) = (None, 0u64, None);
-    if s.resume && !store.root().exists() {
-        // A run killed before its first save has no checkpoint folder yet: start from step 0.
-        obs.emit(&Event::Note(&format!(
+    // A run killed before its first save has no checkpoint folder yet: that is "no checkpoint".
+    let found = if s.resume && store.root().exists() { Some(store.find_latest(Verify::Full)?) } else { None };
+    for sk in found.iter().flat_map(|f| &f.skipped) {
+        obs.emit(&Event::Warning(&format!("skipping checkpoint {}: {}", sk.path.display(), sk.error)))?;
+    }
+    match found.and_then(|f| f.checkpoint) {
+        Some(ck) => {
+            optim = Some(persist::load_checkpoint(&ck, &mut host)?);
+            completed = ck.step();
+            batcher = ck.meta().get("batcher").cloned().map(serde_json::from_value).transpose()?;
+            obs.emit(&Event::Note(&format!("resumed from {} (step {completed})", ck.path().display())))?;
+        }
+        None if s.resume => obs.emit(&Event::Note(&format!(
             "--resume: no checkpoint in {}; starting from step 0",
             store.root().display()
-        )))?;
-    } else if s.resume {
-        let found = store.find_latest(Verify::Full)?;
-        for sk in &found.skipped {
-            obs.emit(&Event::Warning(&format!("skipping checkpoint {}: {}", sk.path.display(), sk.error)))?;
-        }
-        match found.checkpoint {
-            Some(ck) => {
-                optim = Some(persist::load_checkpoint(&ck, &mut host)?);
-                completed = ck.step();
-                batcher = ck.meta().get("batcher").cloned().map(serde_json::from_value).transpose()?;
-                obs.emit(&Event::Note(&format!("resumed from {} (step {completed})", ck.path().display())))?;
-            }
-            None => obs.emit(&Event::Note(&format!(
-                "--resume: no checkpoint in {}; starting from step 0",
-                store.root().display()
-            )))?,
-        }
+        )))?,
+        None => {}
     }
     obs.emit(&Event::Training { first_step: completed, total_steps: s.steps })?;
     Ok(Resumed { store, host, optim, completed, batcher })

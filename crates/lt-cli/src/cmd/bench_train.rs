@@ -508,13 +508,13 @@ struct CostFigures {
 fn cost_figures(s: &RunSettings, cfg: &ModelConfig, chosen: &ChosenPlan) -> Result<CostFigures, Failure> {
     let err = |e: anyhow::Error| Failure::from_error(&e);
     let micro = chosen.micro_batch_size;
-    let hw = s.hardware_profile().map_err(err)?;
+    let hw = &chosen.hardware;
     let ecfg = exec_config(&chosen.plan, micro, s.batch_size, s.seq_len, chosen.overlap_optimizer);
     let sched_boundaries: Vec<lt_sched::Placement> = chosen.plan.boundaries.iter().map(|p| to_sched(*p)).collect();
     let recomputed = lt_sched::plan::recomputed_layers(&sched_boundaries);
     let executed = Instance::from_model(
         cfg,
-        &hw,
+        hw,
         s.seq_len,
         &ecfg,
         CostOptions { attention: AttentionKernel::Materialized, ..Default::default() },
@@ -530,7 +530,7 @@ fn cost_figures(s: &RunSettings, cfg: &ModelConfig, chosen: &ChosenPlan) -> Resu
             // A fixed policy: replay exactly the executed shape in the planner's simulator.
             let inst = Instance::from_model(
                 cfg,
-                &hw,
+                hw,
                 s.seq_len,
                 &ecfg,
                 CostOptions { optimizer: s.optimizer.state(), ..CostOptions::default() },
@@ -580,23 +580,12 @@ fn figures(
         "optimizer": exposed_mean(|p| p.optimizer),
     });
     let (device_name, dtype) = (s.device.name(), s.device.dtype());
-    let plan_str: String = chosen
-        .plan
-        .boundaries
-        .iter()
-        .map(|p| match p {
-            Placement::Device => 'G',
-            Placement::Host => 'H',
-            Placement::Nvme => 'N',
-            Placement::Recompute => '.',
-        })
-        .collect();
     let json = serde_json::json!({
         "model": model_name(args.model_config.as_ref().or(args.model.as_ref()).map_or(Path::new("model"), |p| p.as_path())),
         "params": cfg.total_params(),
         "layers": cfg.num_layers(),
         "policy": s.policy.name(),
-        "plan": plan_str,
+        "plan": chosen.plan.tiers(),
         "batch_size": s.batch_size,
         "seq_len": s.seq_len,
         "micro_batch_size": micro,
@@ -621,7 +610,7 @@ fn figures(
         "peak_device_bytes": peak_device,
         "peak_device_source": peak_source,
         "peak_device_budget_bytes": budget_peak,
-        "device_budget_bytes": chosen.budget.0,
+        "device_budget_bytes": chosen.hardware.gpu_memory.0,
         "peak_host_bytes": vm_hwm(),
         "peak_host_source": "VmHWM",
         "peak_host_rss_bytes": vm_hwm(),
