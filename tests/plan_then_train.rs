@@ -26,7 +26,7 @@ fn a_saved_plan_is_executed_as_solved() {
     let report = Run::builder(common::fixture_run("qwen3-tied-mqa", &out, 3).plan(&path))
         .observer(move |e: &lt_run::Event<'_>| {
             if let lt_run::Event::Planned { plan } = e {
-                *seen.lock().unwrap() = Some((plan.plan.clone(), plan.micro_batch_size));
+                *seen.lock().unwrap() = Some((plan.plan.clone(), plan.micro_batch_size()));
             }
             Ok(())
         })
@@ -35,8 +35,8 @@ fn a_saved_plan_is_executed_as_solved() {
         .execute()
         .unwrap();
     let (executed, micro) = chosen.lock().unwrap().clone().unwrap();
-    assert_eq!(executed, lt_exec::plan::ExecPlan::from_sched(&solved));
-    assert_eq!(micro, solved.micro_batch_size);
+    assert_eq!(executed, solved.step.clone());
+    assert_eq!(micro, solved.step.shape.micro_batch_size);
     assert_eq!(report.predicted_step_seconds, Some(solved.predicted.step_seconds));
     assert_eq!(report.steps, 3);
 

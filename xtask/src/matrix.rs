@@ -5,38 +5,14 @@
 //! file and the field), then [`MatrixFile::validate`] checks the values and resolves paths into a
 //! [`Matrix`].
 
-use std::fmt;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use lt_sched::hardware::HardwareSpec;
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 
-/// A policy the matrix compares.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum Policy {
-    /// The planner's choice (lt-sched `plan`).
-    Auto,
-    /// The MegaTrain baseline (a GPU checkpoint every 4 layers, serial optimizer, retained logits).
-    Megatrain,
-}
-
-impl Policy {
-    /// Name as printed and as passed to `lt bench train --policy`.
-    pub fn name(self) -> &'static str {
-        match self {
-            Policy::Auto => "auto",
-            Policy::Megatrain => "megatrain",
-        }
-    }
-}
-
-impl fmt::Display for Policy {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
+/// A policy the matrix compares: lt-sched's, the one the `lt` CLI takes too.
+pub use lt_sched::planner::Policy;
 
 /// One model of the matrix, as written in the file.
 #[derive(Debug, Clone, PartialEq, Deserialize)]

@@ -9,10 +9,10 @@ use lt_core::ModelConfig;
 use lt_core::hardware::HardwareProfile;
 use lt_sched::SchedError;
 use lt_sched::hardware::load_profile;
-use lt_sched::planner::{self, Baseline, PlanRequest};
+use lt_sched::planner::{self, PlanRequest, Policy};
 
 use crate::bench_train::StepMetrics;
-use crate::matrix::{Matrix, Policy};
+use crate::matrix::Matrix;
 use crate::report::{MaxBatchRow, Source, Status, StepRow, gib_text};
 
 /// A loaded model of the matrix.
@@ -58,8 +58,8 @@ fn metrics_of(plan: &lt_sched::Plan) -> StepMetrics {
         peak_host_bytes: Some(p.peak_host_bytes),
         exposed_seconds: serde_json::to_value(p.exposed_seconds).ok(),
         predicted_step_seconds: Some(p.step_seconds),
-        micro_batch_size: Some(plan.micro_batch_size),
-        grad_accum_steps: Some(plan.grad_accum_steps),
+        micro_batch_size: Some(plan.step.shape.micro_batch_size),
+        grad_accum_steps: Some(plan.step.shape.grad_accum_steps),
     }
 }
 
@@ -76,21 +76,20 @@ pub fn infeasible_reason(e: &SchedError) -> String {
     }
 }
 
-/// Why MegaTrain's policy fits no micro-batch of `req`: host memory when it fits with unbounded host
+/// Why the fixed policy `which` fits no micro-batch of `req`: host memory when it fits with unbounded host
 /// memory, else GPU memory.
-fn megatrain_reason(model: &ModelConfig, hw: &HardwareProfile, req: &PlanRequest) -> String {
+fn fixed_reason(model: &ModelConfig, hw: &HardwareProfile, req: &PlanRequest, which: Policy) -> String {
     let mut big_host = hw.clone();
     big_host.host_memory.0 = 1 << 50;
-    match planner::baseline(model, &big_host, req, Baseline::Megatrain) {
+    match planner::baseline(model, &big_host, req, which) {
         Ok(Some((plan, _))) => format!(
             "needs {} host memory, profile has {}",
             gib_text(plan.predicted.peak_host_bytes),
             gib_text(hw.host_memory.0)
         ),
-        Ok(None) => format!(
-            "MegaTrain's policy fits no micro-batch in {} GPU memory (even 1 sequence)",
-            gib_text(hw.gpu_memory.0)
-        ),
+        Ok(None) => {
+            format!("policy {which} fits no micro-batch in {} GPU memory (even 1 sequence)", gib_text(hw.gpu_memory.0))
+        }
         Err(e) => e.to_string(),
     }
 }
@@ -104,9 +103,9 @@ pub fn step_row(model: &LoadedModel, hw: &HardwareProfile, batch: usize, seq: us
             Err(e @ SchedError::Infeasible { .. }) => (Status::Skipped, Some(infeasible_reason(&e)), None),
             Err(e) => (Status::Failed, Some(e.to_string()), None),
         },
-        Policy::Megatrain => match planner::baseline(&model.config, hw, &req, Baseline::Megatrain) {
+        fixed => match planner::baseline(&model.config, hw, &req, fixed) {
             Ok(Some((plan, _))) => (Status::Ok, None, Some(metrics_of(&plan))),
-            Ok(None) => (Status::Skipped, Some(megatrain_reason(&model.config, hw, &req)), None),
+            Ok(None) => (Status::Skipped, Some(fixed_reason(&model.config, hw, &req, fixed)), None),
             Err(e) => (Status::Failed, Some(e.to_string()), None),
         },
     };
@@ -128,11 +127,7 @@ pub fn step_row(model: &LoadedModel, hw: &HardwareProfile, batch: usize, seq: us
 /// One predicted max-batch row (largest batch in one micro-batch, as `lt plan --max-batch`).
 pub fn max_batch_row(model: &LoadedModel, hw: &HardwareProfile, seq: usize, policy: Policy) -> MaxBatchRow {
     let req = PlanRequest::new(1, seq);
-    let which = match policy {
-        Policy::Auto => None,
-        Policy::Megatrain => Some(Baseline::Megatrain),
-    };
-    let (status, reason, max_batch) = match planner::max_batch(&model.config, hw, &req, which) {
+    let (status, reason, max_batch) = match planner::max_batch(&model.config, hw, &req, policy) {
         Ok(Some(b)) => (Status::Ok, None, Some(b)),
         Ok(None) => {
             let why = match policy {
@@ -140,7 +135,7 @@ pub fn max_batch_row(model: &LoadedModel, hw: &HardwareProfile, seq: usize, poli
                     Err(e) => infeasible_reason(&e),
                     Ok(_) => "not even one sequence fits in one micro-batch".into(),
                 },
-                Policy::Megatrain => megatrain_reason(&model.config, hw, &req),
+                fixed => fixed_reason(&model.config, hw, &req, fixed),
             };
             (Status::Skipped, Some(why), None)
         }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use lt_core::ByteSize;
 use lt_exec::executor::Executor;
-use lt_exec::plan::{ExecPlan, Placement};
+use lt_exec::plan::{Placement, Step};
 use lt_exec::state::SharedModel;
 use lt_exec::train::{LrSchedule, TrainOptions, Trainer};
 use lt_model::CpuAutodiff;
@@ -22,7 +22,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let host = HostModel::load(&dir)?;
     let layers = host.config.num_layers();
     // Boundary 0 and every 4th kept on the device, the rest recomputed in backward.
-    let plan = ExecPlan::every(layers, 4, Placement::Device);
+    let plan = Step::every(layers, 4, Placement::Gpu);
     let executor = Executor::<CpuAutodiff>::new(plan, ByteSize::mib(64), Default::default(), None);
     let opts = TrainOptions {
         adamw: AdamWConfig { lr: 3e-3, ..Default::default() },

@@ -2,7 +2,7 @@
 //! plan says, with uploads and downloads on their own threads and every operation traced.
 //!
 //! Streams (threads here; device streams on a GPU):
-//! - **h2d** walks the plan's upload schedule ([`ExecPlan::uploads`]: the embedded tokens, gathered
+//! - **h2d** walks the plan's upload schedule ([`Step::uploads`]: the embedded tokens, gathered
 //!   from the host embedding; the forward layers; the head once per step, during the last forward
 //!   layer; then per backward segment the segment's start boundary if it lives off-device, the
 //!   recompute layers and the backward layers) and hands each item over a channel of capacity 1: one
@@ -38,7 +38,7 @@ use lt_optim::{Grad, ThreadPool};
 use crate::budget::DeviceBudget;
 use crate::error::ExecError;
 use crate::grads::{HostGrads, accumulate_data};
-use crate::plan::{ExecPlan, Placement, Upload};
+use crate::plan::{Placement, Step, Upload};
 use crate::state::{HEAD, HeadHost, SharedModel, layer_slot};
 use crate::trace::{Stream, Trace};
 
@@ -92,7 +92,7 @@ impl ActStore {
     }
 }
 
-/// What compute receives from the h2d stream, in [`ExecPlan::uploads`] order.
+/// What compute receives from the h2d stream, in [`Step::uploads`] order.
 enum Uploaded<B: Backend> {
     Embed(Tensor<B, 3>),
     Layer(usize, LayerWeights<B>),
@@ -298,7 +298,7 @@ fn joined<T>(rx: channel::Receiver<std::thread::Result<T>>, who: &'static str) -
 
 /// The streamed executor for one model and plan.
 pub struct Executor<B: AutodiffBackend> {
-    plan: ExecPlan,
+    plan: Step,
     device: Dev<B>,
     device_memory: ByteSize,
     trace: Arc<Trace>,
@@ -330,7 +330,7 @@ fn elem_bytes<B: Backend>() -> u64 {
 
 /// Spill-file bytes for one micro-batch `[b, t]` under `plan`: every NVMe boundary in the device
 /// dtype ([`elem_bytes`]), each rounded up to whole 4 MiB requests; 0 when nothing goes to NVMe.
-pub fn spill_capacity<B: Backend>(plan: &ExecPlan, cfg: &ModelConfig, b: usize, t: usize) -> u64 {
+pub fn spill_capacity<B: Backend>(plan: &Step, cfg: &ModelConfig, b: usize, t: usize) -> u64 {
     let nvme = plan.boundaries.iter().filter(|p| **p == Placement::Nvme).count() as u64;
     let act = (b * t * cfg.hidden_size) as u64 * elem_bytes::<B>();
     nvme * act.div_ceil(4 << 20).max(1) * (4 << 20)
@@ -362,12 +362,7 @@ pub fn head_chunk_bytes(cfg: &ModelConfig, chunk_tokens: usize) -> u64 {
 impl<B: AutodiffBackend> Executor<B> {
     /// An executor that runs `plan` within `device_memory` on `device`. Its h2d and d2h threads start
     /// with the first micro-batch and live until the executor is dropped.
-    pub fn new(
-        plan: ExecPlan,
-        device_memory: ByteSize,
-        device: Dev<B>,
-        spill: Option<Arc<dyn ActivationSpill>>,
-    ) -> Self {
+    pub fn new(plan: Step, device_memory: ByteSize, device: Dev<B>, spill: Option<Arc<dyn ActivationSpill>>) -> Self {
         let d2h_pool = Arc::new(ThreadPool::new_or_calling_thread(d2h_threads()));
         Self {
             plan,
@@ -414,7 +409,7 @@ impl<B: AutodiffBackend> Executor<B> {
     }
 
     /// The plan being executed.
-    pub fn plan(&self) -> &ExecPlan {
+    pub fn plan(&self) -> &Step {
         &self.plan
     }
 
@@ -478,21 +473,19 @@ impl<B: AutodiffBackend> Executor<B> {
         budget.alloc(act, || "boundary 0".into())?;
         let l = cfg.num_layers();
         for i in 1..=l {
-            if self.plan.boundaries[i] == Placement::Device {
+            if self.plan.boundaries[i] == Placement::Gpu {
                 budget.alloc(act, || format!("boundary {i} kept on device"))?;
             }
         }
         budget.alloc(act, || "the layer output in flight".into())?;
-        let chunk = self.plan.loss_chunk_tokens.min(b * t);
+        let chunk = self.plan.shape.loss_chunk_tokens.min(b * t);
         budget.alloc(head_chunk_bytes(cfg, chunk) + act, || "one loss chunk and the head's input gradient".into())?;
         budget.free(head_chunk_bytes(cfg, chunk));
         for (s, e) in self.plan.segments_backward() {
             let recompute = (e - s).saturating_sub(1) as u64 * act;
-            let fetched = if self.plan.boundaries[s] == Placement::Device { 0 } else { act };
+            let fetched = if self.plan.boundaries[s] == Placement::Gpu { 0 } else { act };
             budget.alloc(recompute + fetched, || format!("recomputed inputs of layers {s}..{e}"))?;
-            budget.free(
-                recompute + fetched + if s > 0 && self.plan.boundaries[s] == Placement::Device { act } else { 0 },
-            );
+            budget.free(recompute + fetched + if s > 0 && self.plan.boundaries[s] == Placement::Gpu { act } else { 0 });
         }
         Ok(())
     }
@@ -519,7 +512,7 @@ impl<B: AutodiffBackend> Executor<B> {
     ) -> Result<MicroBatchResult, ExecError> {
         let cfg = &model.config;
         let nl = cfg.num_layers();
-        self.plan.validate(nl)?;
+        self.plan.validate(nl).map_err(|e| ExecError::PlanMismatch { reason: e.to_string() })?;
         let (b, t) = batch.validate(cfg.vocab_size, "batch")?;
         let mut budget = DeviceBudget::new(self.device_memory);
         // The whole allocation sequence is checked up front, so a plan that cannot fit fails before
@@ -755,7 +748,7 @@ impl<B: AutodiffBackend> Executor<B> {
                 let w = layer(i)?;
                 x = trace.span(Stream::Compute, step, format!("fwd L{i}"), || layer_forward(cfg, &w, x, &ctx));
                 match plan.boundaries[i + 1] {
-                    Placement::Device => {
+                    Placement::Gpu => {
                         kept.insert(i + 1, x.clone());
                     }
                     Placement::Host | Placement::Nvme => {
@@ -773,14 +766,14 @@ impl<B: AutodiffBackend> Executor<B> {
                 },
             };
             let (loss, mut g, gnorm, gout) = trace.span(Stream::Compute, step, "head+loss", || {
-                head_backward::<B>(cfg, &head, x, &batch.labels, denom, plan.loss_chunk_tokens)
+                head_backward::<B>(cfg, &head, x, &batch.labels, denom, plan.shape.loss_chunk_tokens)
             });
             let _ = down_tx.send(Down::Head { norm: fetch(gnorm), out: Fetch::new(gout, mode) });
             // The step's last head op is done: free the head before the last backward.
             let head = if last { None } else { Some(head) };
             for (s, e) in plan.segments_backward() {
                 let x0 = match plan.boundaries[s] {
-                    Placement::Device => kept.remove(&s).ok_or(ExecError::Worker("compute (missing kept boundary)"))?,
+                    Placement::Gpu => kept.remove(&s).ok_or(ExecError::Worker("compute (missing kept boundary)"))?,
                     _ => match recv(&format!("boundary B{s}"))? {
                         Uploaded::Act(j, x) if j == s => x,
                         _ => return Err(out_of_order()),

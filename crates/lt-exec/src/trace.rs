@@ -5,30 +5,8 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-/// An execution stream (a thread on CPU; a CUDA stream on GPU).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Stream {
-    /// Layer forward/backward and the head.
-    Compute,
-    /// Host-to-device: weight uploads and activation reloads.
-    H2d,
-    /// Device-to-host: gradient downloads and activation offloads.
-    D2h,
-    /// NVMe spill reads and writes.
-    Nvme,
-    /// Host optimizer updates.
-    Optimizer,
-}
-
-impl Stream {
-    /// All streams, in display order.
-    pub const ALL: [Stream; 5] = [Stream::Compute, Stream::H2d, Stream::D2h, Stream::Nvme, Stream::Optimizer];
-
-    fn tid(self) -> u32 {
-        self as u32
-    }
-}
+/// An execution stream: lt-sched's, the same lanes the simulator replays.
+pub use lt_sched::sim::Stream;
 
 /// One timed operation.
 #[derive(Debug, Clone, Serialize)]
@@ -145,7 +123,7 @@ impl Trace {
             .map(|e| {
                 serde_json::json!({
                     "name": e.name, "ph": "X", "ts": e.start_us, "dur": e.dur_us,
-                    "pid": 1, "tid": e.stream.tid(),
+                    "pid": 1, "tid": e.stream.index(),
                     "args": {"step": e.step, "stream": e.stream, "waited_on": e.waited_on},
                 })
             })
@@ -153,7 +131,7 @@ impl Trace {
         let names: Vec<serde_json::Value> = Stream::ALL
             .iter()
             .map(|s| {
-                serde_json::json!({"name": "thread_name", "ph": "M", "pid": 1, "tid": s.tid(),
+                serde_json::json!({"name": "thread_name", "ph": "M", "pid": 1, "tid": s.index(),
                     "args": {"name": format!("{s:?}")}})
             })
             .collect();

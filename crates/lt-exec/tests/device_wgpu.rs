@@ -21,7 +21,7 @@ use std::sync::Arc;
 use burn::tensor::backend::{AutodiffBackend, BackendTypes};
 use lt_core::ByteSize;
 use lt_exec::executor::{ActivationSpill, Executor};
-use lt_exec::plan::{ExecPlan, Placement};
+use lt_exec::plan::{Placement, Step};
 use lt_exec::state::SharedModel;
 use lt_exec::train::{LrSchedule, TrainOptions, Trainer};
 use lt_model::host::HostModel;
@@ -61,21 +61,21 @@ fn options() -> TrainOptions {
     }
 }
 
-fn plans(cfg: &lt_core::ModelConfig, rows: usize, seq: usize) -> Vec<(&'static str, ExecPlan)> {
+fn plans(cfg: &lt_core::ModelConfig, rows: usize, seq: usize) -> Vec<(&'static str, Step)> {
     let layers = cfg.num_layers();
     vec![
-        ("keep-all", ExecPlan::keep_all(layers)),
-        ("recompute-all", ExecPlan::recompute_all(layers)),
-        ("megatrain", ExecPlan::every(layers, 4, Placement::Device)),
-        ("all-host", ExecPlan::all_in(layers, Placement::Host)),
-        ("all-nvme", ExecPlan::all_in(layers, Placement::Nvme)),
+        ("keep-all", Step::keep_all(layers)),
+        ("recompute-all", Step::recompute_all(layers)),
+        ("megatrain", Step::every(layers, 4, Placement::Gpu)),
+        ("all-host", Step::all_in(layers, Placement::Host)),
+        ("all-nvme", Step::all_in(layers, Placement::Nvme)),
         ("auto", auto_plan(cfg, rows, seq)),
     ]
 }
 
 /// The planner's plan on the CPU profile with a budget tight enough that it must offload or recompute:
 /// the roomy plan's predicted peak, or the smallest memory the planner accepts if that is more.
-fn auto_plan(cfg: &lt_core::ModelConfig, batch: usize, seq: usize) -> ExecPlan {
+fn auto_plan(cfg: &lt_core::ModelConfig, batch: usize, seq: usize) -> Step {
     let mut hw = lt_core::hardware::BuiltinProfile::Cpu.profile();
     let req = lt_sched::planner::PlanRequest::new(batch, seq);
     let roomy = lt_sched::planner::plan(cfg, &hw, &req).unwrap();
@@ -87,13 +87,13 @@ fn auto_plan(cfg: &lt_core::ModelConfig, batch: usize, seq: usize) -> ExecPlan {
         }
         r => r,
     };
-    ExecPlan::from_sched(&tight.unwrap().plan)
+    tight.unwrap().plan.step
 }
 
 /// A trainer on backend `B` with a spill store when the plan needs one (the tempdir lives as long).
 fn trainer<B: AutodiffBackend>(
     host: &HostModel,
-    plan: ExecPlan,
+    plan: Step,
     device: Dev<B>,
 ) -> (Trainer<B>, Option<tempfile::TempDir>) {
     let (spill, dir): (Option<Arc<dyn ActivationSpill>>, _) = if plan.boundaries.contains(&Placement::Nvme) {
@@ -107,13 +107,7 @@ fn trainer<B: AutodiffBackend>(
     (Trainer::new(Arc::new(SharedModel::new(host.clone(), 0)), ex, options(), None, 0).unwrap(), dir)
 }
 
-fn losses<B: AutodiffBackend>(
-    host: &HostModel,
-    plan: ExecPlan,
-    device: Dev<B>,
-    mbs: &[Batch],
-    steps: usize,
-) -> Vec<f64> {
+fn losses<B: AutodiffBackend>(host: &HostModel, plan: Step, device: Dev<B>, mbs: &[Batch], steps: usize) -> Vec<f64> {
     let (mut tr, _dir) = trainer::<B>(host, plan, device);
     (0..steps).map(|_| tr.step(mbs).unwrap().loss).collect()
 }
@@ -208,7 +202,7 @@ fn a_long_run_creates_no_streams_and_reserves_no_more_memory() {
     let host = HostModel::load(&root().join("models/qwen3-tied-mqa")).unwrap();
     let mbs = probe_batches(host.config.vocab_size);
     let (mut tr, _dir) =
-        trainer::<WgpuAutodiff>(&host, ExecPlan::all_in(host.config.num_layers(), Placement::Host), device.clone());
+        trainer::<WgpuAutodiff>(&host, Step::all_in(host.config.num_layers(), Placement::Host), device.clone());
     let (mut streams1, mut step2, mut total2) = (Vec::new(), 0, 0);
     for step in 1..=6 {
         let t0 = std::time::Instant::now();

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use lt_core::ByteSize;
 use lt_exec::executor::Executor;
 use lt_exec::grads::HostGrads;
-use lt_exec::plan::{ExecPlan, Placement};
+use lt_exec::plan::{Placement, Step};
 use lt_exec::state::SharedModel;
 use lt_model::host::HostModel;
 use lt_model::model::{Batch, full_graph_grads};
@@ -37,14 +37,14 @@ fn rel_to_max(got: &[f32], want: &[f32]) -> f32 {
     got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max) / scale
 }
 
-fn plans(layers: usize) -> Vec<(&'static str, ExecPlan)> {
-    let mut small_chunks = ExecPlan::every(layers, 2, Placement::Device);
-    small_chunks.loss_chunk_tokens = 3;
+fn plans(layers: usize) -> Vec<(&'static str, Step)> {
+    let mut small_chunks = Step::every(layers, 2, Placement::Gpu);
+    small_chunks.shape.loss_chunk_tokens = 3;
     vec![
-        ("keep-all", ExecPlan::keep_all(layers)),
-        ("recompute-all", ExecPlan::recompute_all(layers)),
+        ("keep-all", Step::keep_all(layers)),
+        ("recompute-all", Step::recompute_all(layers)),
         ("every-2/chunk-3", small_chunks),
-        ("all-host", ExecPlan::all_in(layers, Placement::Host)),
+        ("all-host", Step::all_in(layers, Placement::Host)),
     ]
 }
 
@@ -88,7 +88,7 @@ fn gradient_accumulation_equals_full_batch() {
     let b = batch(&dir);
     let model = DeviceModel::<CpuBackend>::from_host(&host, &Default::default());
     let (ref_loss, reference) = full_graph_grads::<CpuAutodiff>(&model, &b);
-    let mut ex = Executor::<CpuAutodiff>::new(ExecPlan::recompute_all(2), ByteSize::gib(1), Default::default(), None);
+    let mut ex = Executor::<CpuAutodiff>::new(Step::recompute_all(2), ByteSize::gib(1), Default::default(), None);
     let grads = Arc::new(HostGrads::zeros_like(&host));
     let shared = Arc::new(SharedModel::new(host.clone(), 0));
     let denom = b.loss_tokens();
@@ -109,7 +109,7 @@ fn a_tiny_budget_fails_before_compute_with_the_minimum() {
     let dir = fixture("qwen3-tied-mqa");
     let host = HostModel::load(&dir).unwrap();
     let b = batch(&dir);
-    let plan = ExecPlan::keep_all(2);
+    let plan = Step::keep_all(2);
     let mut ex = Executor::<CpuAutodiff>::new(plan, ByteSize(1024), Default::default(), None);
     let need = ex.required_device_bytes(&host.config, 2, 10);
     let grads = Arc::new(HostGrads::zeros_like(&host));
@@ -118,14 +118,14 @@ fn a_tiny_budget_fails_before_compute_with_the_minimum() {
     assert!(e.contains("too small") && e.contains(&lt_exec::budget::round_up(need)), "{e}");
     assert!(ex.trace().events().is_empty(), "nothing ran");
     // Exactly the reported minimum is enough.
-    let mut ex = Executor::<CpuAutodiff>::new(ExecPlan::keep_all(2), ByteSize(need), Default::default(), None);
+    let mut ex = Executor::<CpuAutodiff>::new(Step::keep_all(2), ByteSize(need), Default::default(), None);
     ex.micro_batch(&shared, &b, b.loss_tokens(), true, &grads, 0).unwrap();
     // Recomputing needs less than keeping everything.
-    let ex2 = Executor::<CpuAutodiff>::new(ExecPlan::recompute_all(2), ByteSize(need), Default::default(), None);
+    let ex2 = Executor::<CpuAutodiff>::new(Step::recompute_all(2), ByteSize(need), Default::default(), None);
     assert!(ex2.required_device_bytes(&host.config, 2, 10) <= need);
 }
 
-/// The h2d stream uploads exactly what the plan lists ([`ExecPlan::uploads`]): the head once per
+/// The h2d stream uploads exactly what the plan lists ([`Step::uploads`]): the head once per
 /// step, everything else per micro-batch, counted from the trace's transfer spans.
 #[test]
 fn uploads_per_step_are_what_the_plan_says() {

@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use lt_core::ByteSize;
 use lt_exec::executor::Executor;
-use lt_exec::plan::{ExecPlan, Placement};
+use lt_exec::plan::{Placement, Step};
 use lt_exec::state::SharedModel;
 use lt_exec::train::{LrSchedule, TrainOptions, Trainer};
 use lt_model::CpuAutodiff;
@@ -57,14 +57,14 @@ fn options(overlap: bool) -> TrainOptions {
 
 /// The planner's plan for this model and batch on the CPU profile, with a budget tight enough that
 /// it must offload or recompute something.
-fn auto_plan(cfg: &lt_core::ModelConfig, batch: usize, seq: usize) -> ExecPlan {
+fn auto_plan(cfg: &lt_core::ModelConfig, batch: usize, seq: usize) -> Step {
     let mut hw = lt_core::hardware::BuiltinProfile::Cpu.profile();
     let req = lt_sched::planner::PlanRequest::new(batch, seq);
     let roomy = lt_sched::planner::plan(cfg, &hw, &req).unwrap();
     hw.gpu_memory = ByteSize(roomy.plan.predicted.peak_gpu_bytes);
     let plan = lt_sched::planner::plan(cfg, &hw, &req).unwrap().plan;
-    eprintln!("auto plan under {}: {:?}", hw.gpu_memory, plan.boundaries);
-    ExecPlan::from_sched(&plan)
+    eprintln!("auto plan under {}: {:?}", hw.gpu_memory, plan.step.boundaries);
+    plan.step.clone()
 }
 
 #[test]
@@ -78,11 +78,11 @@ fn losses_match_pytorch_for_every_family_and_plan() {
         .unwrap();
         let layers = host.config.num_layers();
         let plans = [
-            ("keep-all", ExecPlan::keep_all(layers), true, 1),
-            ("recompute-all", ExecPlan::recompute_all(layers), false, 1),
-            ("megatrain", ExecPlan::every(layers, 4, Placement::Device), true, 2),
-            ("all-host", ExecPlan::all_in(layers, Placement::Host), true, 4),
-            ("all-nvme", ExecPlan::all_in(layers, Placement::Nvme), true, 2),
+            ("keep-all", Step::keep_all(layers), true, 1),
+            ("recompute-all", Step::recompute_all(layers), false, 1),
+            ("megatrain", Step::every(layers, 4, Placement::Gpu), true, 2),
+            ("all-host", Step::all_in(layers, Placement::Host), true, 4),
+            ("all-nvme", Step::all_in(layers, Placement::Nvme), true, 2),
             ("auto", auto_plan(&host.config, 4, 12), true, 1),
         ];
         for (pname, plan, overlap, micro) in plans {
@@ -138,8 +138,7 @@ fn checkpoint_resume_continues_the_same_trajectory() {
     let batch = load_batch(&root().join("train").join(name).join("train.jsonl"));
     let layers = host.config.num_layers();
     let mk = |h: HostModel, optim, done| {
-        let ex =
-            Executor::<CpuAutodiff>::new(ExecPlan::recompute_all(layers), ByteSize::gib(1), Default::default(), None);
+        let ex = Executor::<CpuAutodiff>::new(Step::recompute_all(layers), ByteSize::gib(1), Default::default(), None);
         let mut o = options(true);
         o.optimizer = OptimizerKind::adamw8bit();
         Trainer::new(Arc::new(SharedModel::new(h, done)), ex, o, optim, done).unwrap()
@@ -178,7 +177,7 @@ fn adamw8bit_converges_like_adamw() {
     let host = HostModel::load(&root().join("models").join(name)).unwrap();
     let batch = load_batch(&root().join("train").join(name).join("train.jsonl"));
     let run = |kind: OptimizerKind| -> f64 {
-        let ex = Executor::<CpuAutodiff>::new(ExecPlan::keep_all(3), ByteSize::gib(1), Default::default(), None);
+        let ex = Executor::<CpuAutodiff>::new(Step::keep_all(3), ByteSize::gib(1), Default::default(), None);
         let mut o = options(true);
         o.optimizer = kind;
         let mut tr = Trainer::new(Arc::new(SharedModel::new(host.clone(), 0)), ex, o, None, 0).unwrap();

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use burn::tensor::DType;
 use lt_core::ByteSize;
 use lt_exec::executor::Executor;
-use lt_exec::plan::{ExecPlan, Placement};
+use lt_exec::plan::{Placement, Step};
 use lt_exec::state::{HEAD, SharedModel, layer_slot};
 use lt_exec::train::{LrSchedule, TrainOptions, Trainer};
 use lt_model::CpuAutodiff;
@@ -46,7 +46,7 @@ fn options(optimizer: OptimizerKind, overlap: bool) -> TrainOptions {
 /// `(loss, grad_norm)` bits per step, and the final masters.
 type Run = (Vec<(u64, u64)>, HostModel);
 
-fn train(host: &HostModel, plan: &ExecPlan, opts: &TrainOptions, optimizer_copy: bool) -> Run {
+fn train(host: &HostModel, plan: &Step, opts: &TrainOptions, optimizer_copy: bool) -> Run {
     let ex = Executor::<CpuAutodiff>::new(plan.clone(), ByteSize::gib(1), Default::default(), None)
         .with_upload_dtype(DType::BF16)
         .with_optimizer_copy(optimizer_copy);
@@ -100,9 +100,9 @@ fn training_from_the_copy_is_bit_identical_to_converting_at_each_upload() {
         let host = HostModel::load(&fixture(name)).unwrap();
         let layers = host.config.num_layers();
         let cases = [
-            ("keep-all", ExecPlan::keep_all(layers), OptimizerKind::adamw8bit(), true),
-            ("recompute-all", ExecPlan::recompute_all(layers), OptimizerKind::AdamW, true),
-            ("all-host", ExecPlan::all_in(layers, Placement::Host), OptimizerKind::adamw8bit(), false),
+            ("keep-all", Step::keep_all(layers), OptimizerKind::adamw8bit(), true),
+            ("recompute-all", Step::recompute_all(layers), OptimizerKind::AdamW, true),
+            ("all-host", Step::all_in(layers, Placement::Host), OptimizerKind::adamw8bit(), false),
         ];
         for (pname, plan, optimizer, overlap) in cases {
             let opts = options(optimizer, overlap);

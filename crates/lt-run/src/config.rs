@@ -19,20 +19,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::device::DeviceChoice;
 
-/// Activation policy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Policy {
-    /// The planner (MILP) chooses per boundary: keep on GPU, host or NVMe, or recompute.
-    Auto,
-    /// The MegaTrain baseline as published: a GPU checkpoint every 4 layers, the optimizer serial after
-    /// backward, 4,096-token loss chunks (lt-sched's `planner::baseline`, the same step predicted and measured).
-    Megatrain,
-    /// Keep every boundary on the GPU.
-    KeepAll,
-    /// Keep only the first and last boundary; recompute everything else.
-    RecomputeAll,
-}
+/// Activation policy: lt-sched's, the one policy type of the CLI and xtask.
+pub use lt_sched::planner::Policy;
 
 /// Optimizer state precision.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
@@ -42,18 +30,6 @@ pub enum OptimizerChoice {
     Adamw,
     /// Block-wise 8-bit moments (about 2 bytes/param of state).
     Adamw8bit,
-}
-
-impl Policy {
-    /// The name on the command line and in reports (`keep-all`).
-    pub fn name(self) -> &'static str {
-        match self {
-            Policy::Auto => "auto",
-            Policy::Megatrain => "megatrain",
-            Policy::KeepAll => "keep-all",
-            Policy::RecomputeAll => "recompute-all",
-        }
-    }
 }
 
 impl OptimizerChoice {
@@ -535,13 +511,13 @@ impl PlanFileStep {
         use lt_sched::cost::{AttentionKernel, OptimizerState};
         let p = lt_sched::plan::Plan::load(path)?;
         let file = path.display();
-        if p.attention != AttentionKernel::Materialized {
+        if p.step.attention != AttentionKernel::Materialized {
             bail!(
                 "{file}: attention: the plan was solved for flash attention, but the executor materialises the \
 scores; re-plan with `lt plan --attention materialized`"
             );
         }
-        let overlap_optimizer = match p.optimizer_overlap {
+        let overlap_optimizer = match p.step.shape.optimizer_overlap {
             lt_sched::OptimizerOverlap::OverlapNextForward => true,
             lt_sched::OptimizerOverlap::Serial => false,
             lt_sched::OptimizerOverlap::OverlapBackward => bail!(

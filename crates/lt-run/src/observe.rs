@@ -204,13 +204,13 @@ impl Pictures {
         let loss_png = self.out.join("loss.png");
         crate::fsutil::write_atomic(&loss_png, &crate::plot::line_chart_png("loss", "step", "loss (log)", &series))?;
 
-        let lanes = ["compute", "h2d", "d2h", "nvme", "optimizer"];
+        let lanes = lt_exec::trace::Stream::ALL.map(|s| s.name());
         let events: Vec<_> = trace.events().into_iter().filter(|e| e.step == step).collect();
         let t0 = events.iter().map(|e| e.start_us).fold(f64::INFINITY, f64::min);
         let measured: Vec<Span> = events
             .iter()
             .map(|e| Span {
-                lane: lt_exec::trace::Stream::ALL.iter().position(|x| *x == e.stream).unwrap_or(0),
+                lane: e.stream.index(),
                 start: (e.start_us - t0) / 1e6,
                 dur: e.dur_us / 1e6,
                 name: e.name.clone(),

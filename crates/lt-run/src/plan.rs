@@ -7,24 +7,20 @@ use anyhow::{Context, Result};
 use burn::tensor::backend::AutodiffBackend;
 use lt_core::{ByteSize, ModelConfig};
 use lt_exec::executor::Executor;
-use lt_exec::plan::ExecPlan;
+use lt_exec::plan::Step;
 
 use crate::config::{Policy, RunSettings};
 
 /// The plan the executor will run, and what the planner predicted for it (if it planned).
 #[derive(Debug, Clone)]
 pub struct ChosenPlan {
-    /// Boundary placements and loss chunk, as the executor runs them.
-    pub plan: ExecPlan,
-    /// Rows per micro-batch (1..=batch size).
-    pub micro_batch_size: usize,
+    /// The step the executor runs, whole: placements, micro-batching, loss chunk, optimizer mode.
+    pub plan: Step,
     /// The hardware profile the plan is for (budgets overridden as the settings say); its
     /// `gpu_memory` is the device budget the executor enforces.
     pub hardware: lt_core::hardware::HardwareProfile,
     /// The planner's predicted step time (seconds), when a plan was solved, loaded or replayed.
     pub predicted_step_seconds: Option<f64>,
-    /// Whether the host optimizer overlaps the next step's forward (else it runs after backward).
-    pub overlap_optimizer: bool,
     /// The simulator's timeline of one step (auto policy only).
     pub predicted_trace: Option<lt_sched::sim::Trace>,
     /// One line describing the plan (printed at the start of a run).
@@ -37,41 +33,59 @@ pub struct ChosenPlan {
 /// the policy's (the planner's solution for `auto`).
 pub fn choose_plan(s: &RunSettings, cfg: &ModelConfig) -> Result<ChosenPlan> {
     let mut chosen = choose(s, cfg)?;
-    chosen.micro_batch_size = chosen.micro_batch_size.clamp(1, s.batch_size);
+    let shape = &mut chosen.plan.shape;
+    shape.micro_batch_size = shape.micro_batch_size.clamp(1, s.batch_size);
+    shape.grad_accum_steps = s.batch_size.div_ceil(shape.micro_batch_size);
+    // MegaTrain's optimizer is serial by definition; otherwise as the settings (or the plan file) say.
+    let serial = !s.overlap_optimizer || (s.plan.is_none() && s.policy == Policy::Megatrain);
+    shape.optimizer_overlap =
+        if serial { lt_sched::OptimizerOverlap::Serial } else { lt_sched::OptimizerOverlap::OverlapNextForward };
     Ok(chosen)
+}
+
+impl ChosenPlan {
+    /// Rows per micro-batch (1..=batch size).
+    pub fn micro_batch_size(&self) -> usize {
+        self.plan.shape.micro_batch_size
+    }
+
+    /// Whether the host optimizer overlaps the next step's forward (else it runs after backward).
+    pub fn overlap_optimizer(&self) -> bool {
+        self.plan.shape.optimizer_overlap != lt_sched::OptimizerOverlap::Serial
+    }
 }
 
 fn choose(s: &RunSettings, cfg: &ModelConfig) -> Result<ChosenPlan> {
     let hw = s.hardware_profile()?;
     let layers = cfg.num_layers();
-    let fixed = |plan: ExecPlan, name: &str| ChosenPlan {
-        micro_batch_size: s.micro_batch_size.unwrap_or(s.batch_size),
-        summary: format!("policy {name}: kept boundaries {:?}", plan.kept()),
-        plan_json: serde_json::json!({"policy": name, "boundaries": plan.boundaries}),
-        plan,
-        hardware: hw.clone(),
-        predicted_step_seconds: None,
-        overlap_optimizer: s.overlap_optimizer,
-        predicted_trace: None,
-    };
     // Batch, seq, optimizer state and mode were taken from the file, or checked against it, when the
     // settings were resolved.
     if let (Some(path), Some(p)) = (&s.plan, &s.plan_file) {
         p.validate(cfg).with_context(|| format!("{}: plan does not fit this model", path.display()))?;
+        let mut plan = p.step.clone();
+        plan.shape.micro_batch_size = s.micro_batch_size.unwrap_or(p.step.shape.micro_batch_size);
         return Ok(ChosenPlan {
-            plan: ExecPlan::from_sched(p),
-            micro_batch_size: s.micro_batch_size.unwrap_or(p.micro_batch_size),
+            plan,
             hardware: hw.clone(),
             predicted_step_seconds: Some(p.predicted.step_seconds),
-            overlap_optimizer: s.overlap_optimizer,
             predicted_trace: None,
             summary: format!("plan file {}: predicted step {:.3} s", path.display(), p.predicted.step_seconds),
             plan_json: serde_json::to_value(p)?,
         });
     }
     Ok(match s.policy {
-        Policy::KeepAll => fixed(ExecPlan::keep_all(layers), "keep-all"),
-        Policy::RecomputeAll => fixed(ExecPlan::recompute_all(layers), "recompute-all"),
+        Policy::KeepAll | Policy::RecomputeAll => {
+            let mut plan = s.policy.step(layers).context("a fixed policy has a step")?;
+            plan.shape.micro_batch_size = s.micro_batch_size.unwrap_or(s.batch_size);
+            ChosenPlan {
+                summary: format!("policy {}: kept boundaries {:?}", s.policy, plan.kept()),
+                plan_json: serde_json::json!({"policy": s.policy.name(), "boundaries": plan.boundaries}),
+                plan,
+                hardware: hw.clone(),
+                predicted_step_seconds: None,
+                predicted_trace: None,
+            }
+        }
         Policy::Megatrain => megatrain(s, cfg, &hw)?,
         Policy::Auto => {
             let mut req = lt_sched::planner::PlanRequest::new(s.batch_size, s.seq_len);
@@ -90,12 +104,10 @@ fn choose(s: &RunSettings, cfg: &ModelConfig) -> Result<ChosenPlan> {
             req.cost.attention = lt_sched::cost::AttentionKernel::Materialized;
             let out = lt_sched::planner::plan(cfg, &hw, &req)?;
             let p = &out.plan;
-            let plan = ExecPlan::from_sched(p);
+            let plan = p.step.clone();
             ChosenPlan {
-                micro_batch_size: p.micro_batch_size,
                 hardware: hw.clone(),
                 predicted_step_seconds: Some(p.predicted.step_seconds),
-                overlap_optimizer: s.overlap_optimizer,
                 predicted_trace: Some(out.sim.trace.clone()),
                 summary: format!(
                     "plan (auto, {} profile, solved in {:.0} ms): boundaries [{}] (G gpu, H host, N nvme, . recompute), \
@@ -103,9 +115,9 @@ micro-batch {} x {} accumulation, loss chunk {} tokens; predicted step {:.3} s, 
                     hw.name,
                     p.solver.solve_seconds * 1e3,
                     plan.tiers(),
-                    p.micro_batch_size,
-                    p.grad_accum_steps,
-                    p.loss_chunk_tokens,
+                    p.step.shape.micro_batch_size,
+                    p.step.shape.grad_accum_steps,
+                    p.step.shape.loss_chunk_tokens,
                     p.predicted.step_seconds,
                     ByteSize(p.predicted.peak_gpu_bytes)
                 ),
@@ -126,8 +138,7 @@ fn megatrain(s: &RunSettings, cfg: &ModelConfig, hw: &lt_core::hardware::Hardwar
     req.trace = true;
     req.cost.optimizer = s.optimizer.state();
     req.cost.attention = lt_sched::cost::AttentionKernel::Materialized;
-    let which = lt_sched::planner::Baseline::Megatrain;
-    let Some((p, sim)) = lt_sched::planner::baseline(cfg, hw, &req, which)? else {
+    let Some((p, sim)) = lt_sched::planner::baseline(cfg, hw, &req, Policy::Megatrain)? else {
         anyhow::bail!(
             "policy megatrain: not even one sequence of {} tokens per micro-batch fits the {} device memory of the {} \
 profile (predicted); try --gpu-memory or --policy auto",
@@ -137,24 +148,24 @@ profile (predicted); try --gpu-memory or --policy auto",
         );
     };
     // A micro-batch given on the command line is run as given; the prediction is for the baseline's.
-    let micro_batch_size = s.micro_batch_size.unwrap_or(p.micro_batch_size);
-    let predicted = (micro_batch_size == p.micro_batch_size).then_some(p.predicted.step_seconds);
+    let micro_batch_size = s.micro_batch_size.unwrap_or(p.step.shape.micro_batch_size);
+    let predicted = (micro_batch_size == p.step.shape.micro_batch_size).then_some(p.predicted.step_seconds);
+    let mut plan = p.step.clone();
+    plan.shape.micro_batch_size = micro_batch_size;
     Ok(ChosenPlan {
-        plan: ExecPlan::from_sched(&p),
-        micro_batch_size,
+        plan,
         hardware: hw.clone(),
         summary: format!(
             "policy megatrain (a GPU checkpoint every {} layers, serial optimizer, {}-token loss chunks): micro-batch \
 {} x {} accumulation{}",
-            lt_sched::planner::Baseline::MEGATRAIN_INTERVAL,
-            p.loss_chunk_tokens,
+            lt_sched::plan::MEGATRAIN_INTERVAL,
+            p.step.shape.loss_chunk_tokens,
             micro_batch_size,
             s.batch_size / micro_batch_size.max(1),
             predicted.map(|t| format!("; predicted step {t:.3} s")).unwrap_or_default()
         ),
         plan_json: serde_json::to_value(&p)?,
         predicted_step_seconds: predicted,
-        overlap_optimizer: false,
         predicted_trace: predicted.map(|_| sim.trace),
     })
 }
@@ -199,7 +210,7 @@ pub fn executor_for<B: AutodiffBackend>(
     device: <B::InnerBackend as burn::tensor::backend::BackendTypes>::Device,
     spill_dir: &Path,
 ) -> Result<(Executor<B>, Option<String>)> {
-    let micro = chosen.micro_batch_size;
+    let micro = chosen.micro_batch_size();
     let capacity = lt_exec::executor::spill_capacity::<B::InnerBackend>(&chosen.plan, cfg, micro, seq_len);
     let (spill, note) = if capacity > 0 {
         let (store, note) = crate::spill::open(spill_dir, capacity)?;

@@ -278,7 +278,7 @@ fn train_options(s: &RunSettings, chosen: &ChosenPlan) -> TrainOptions {
         warmup_steps: s.warmup_steps,
         schedule: s.schedule,
         total_steps: s.steps,
-        overlap_optimizer: chosen.overlap_optimizer,
+        overlap_optimizer: chosen.overlap_optimizer(),
         threads: s.threads,
     }
 }
@@ -302,7 +302,7 @@ impl<B: AutodiffBackend> Steps<'_, B> {
         let loop_start = Instant::now();
         while self.trainer.completed() < s.steps {
             let batch = self.batcher.next_batch();
-            let m = self.trainer.step(&to_micro_batches(&batch, self.chosen.micro_batch_size))?;
+            let m = self.trainer.step(&to_micro_batches(&batch, self.chosen.micro_batch_size()))?;
             tokens_done += m.tokens;
             self.losses.push((m.step, m.loss));
             let tokens_per_second = tokens_done as f64 / loop_start.elapsed().as_secs_f64().max(1e-9);

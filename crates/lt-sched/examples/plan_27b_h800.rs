@@ -23,9 +23,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("Qwen3.6-27B on {} at batch {batch} x seq {seq} (all figures predicted)", hw.name);
     println!(
         "micro-batch {} x {} accumulation, loss chunk {} tokens, optimizer {:?}",
-        p.micro_batch_size, p.grad_accum_steps, p.loss_chunk_tokens, p.optimizer_overlap
+        p.step.shape.micro_batch_size,
+        p.step.shape.grad_accum_steps,
+        p.step.shape.loss_chunk_tokens,
+        p.step.shape.optimizer_overlap
     );
-    for (i, b) in p.boundaries.iter().enumerate() {
+    for (i, b) in p.step.boundaries.iter().enumerate() {
         let tier = match b {
             Placement::Gpu => "kept on the GPU",
             Placement::Host => "kept in pinned host memory",
@@ -42,6 +45,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         pr.peak_gpu_bytes as f64 / 1e9,
         pr.peak_host_bytes as f64 / 1e9
     );
-    assert_eq!(p.boundaries.len(), model.num_layers() + 1, "one placement per layer boundary");
+    assert_eq!(p.step.boundaries.len(), model.num_layers() + 1, "one placement per layer boundary");
     Ok(())
 }

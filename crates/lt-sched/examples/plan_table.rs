@@ -11,7 +11,7 @@ use std::time::Instant;
 use lt_core::ModelConfig;
 use lt_core::hardware::BuiltinProfile;
 use lt_sched::Plan;
-use lt_sched::planner::{Baseline, PlanRequest, baseline, max_batch, plan};
+use lt_sched::planner::{PlanRequest, Policy, baseline, max_batch, plan};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
@@ -43,13 +43,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let base = |b| -> Result<Option<Plan>, lt_sched::SchedError> {
                 Ok(baseline(&m, &hw, &req, b)?.map(|(plan, _)| plan))
             };
-            let mt = base(Baseline::Megatrain)?;
-            let ka = base(Baseline::KeepAll)?;
+            let mt = base(Policy::Megatrain)?;
+            let ka = base(Policy::KeepAll)?;
             let speedup = |b: &Option<Plan>| {
                 b.as_ref().map_or("-".to_string(), |b| format!("{:.3}x", b.predicted.step_seconds / p.step_seconds))
             };
-            let mt_shape =
-                mt.as_ref().map_or("-".to_string(), |b| format!("{}x{}", b.micro_batch_size, b.grad_accum_steps));
+            let mt_shape = mt.as_ref().map_or("-".to_string(), |b| {
+                format!("{}x{}", b.step.shape.micro_batch_size, b.step.shape.grad_accum_steps)
+            });
             let show = |b: Option<usize>| b.map_or("none".to_string(), |b| b.to_string());
             println!(
                 "| {name} | {} | {:.1} ({:.1}) | {} | {} | {} | {}x{} (megatrain {mt_shape}), chunk {}, {:?} | {:.1} | {} vs {} | {solve_ms:.0} |",
@@ -59,13 +60,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 mt.as_ref().map_or("-".to_string(), |b| format!("{:.1}", b.predicted.tflops)),
                 speedup(&mt),
                 speedup(&ka),
-                o.plan.micro_batch_size,
-                o.plan.grad_accum_steps,
-                o.plan.loss_chunk_tokens,
-                o.plan.optimizer_overlap,
+                o.plan.step.shape.micro_batch_size,
+                o.plan.step.shape.grad_accum_steps,
+                o.plan.step.shape.loss_chunk_tokens,
+                o.plan.step.shape.optimizer_overlap,
                 p.peak_gpu_bytes as f64 / 1e9,
-                show(max_batch(&m, &hw, &req, None)?),
-                show(max_batch(&m, &hw, &req, Some(Baseline::Megatrain))?),
+                show(max_batch(&m, &hw, &req, Policy::Auto)?),
+                show(max_batch(&m, &hw, &req, Policy::Megatrain)?),
             );
         }
     }

@@ -23,7 +23,7 @@
 //!   "rope_theta":1e6,"tie_word_embeddings":true}"#;
 //! let model = ModelConfig::from_json_str(json).unwrap();
 //! let out = plan(&model, &BuiltinProfile::Rtx3090.profile(), &PlanRequest::new(8, 512)).unwrap();
-//! assert_eq!(out.plan.boundaries.len(), 9);
+//! assert_eq!(out.plan.step.boundaries.len(), 9);
 //! assert!(out.plan.predicted.step_seconds > 0.0);
 //! ```
 
@@ -41,5 +41,6 @@ pub mod window;
 
 pub use cost::{CostOptions, ExecConfig, Instance, OptimizerState};
 pub use error::SchedError;
-pub use plan::{OptimizerOverlap, Placement, Plan, Tier};
+pub use plan::{OptimizerOverlap, Placement, Plan, Step, Tier, Upload};
+pub use planner::Policy;
 pub use sim::{SimReport, simulate};

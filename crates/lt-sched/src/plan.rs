@@ -239,25 +239,13 @@ pub struct Plan {
     pub batch_size: usize,
     /// Tokens per sequence.
     pub seq_len: usize,
-    /// Sequences per micro-batch.
-    pub micro_batch_size: usize,
-    /// Micro-batches per step.
-    pub grad_accum_steps: usize,
-    /// Tokens per loss chunk.
-    pub loss_chunk_tokens: usize,
-    /// When the optimizer runs.
-    pub optimizer_overlap: OptimizerOverlap,
-    /// MegaTrain's retained logits (baselines only; an executor may refuse it).
-    #[serde(default)]
-    pub retain_all_logits: bool,
-    /// Attention kernel the costs assumed.
-    #[serde(default)]
-    pub attention: AttentionKernel,
+    /// The step the executor runs: placements, micro-batching, loss chunk, optimizer mode, attention
+    /// (flattened: the file keeps one flat object).
+    #[serde(flatten)]
+    pub step: Step,
     /// Optimizer-state precision the host memory assumed.
     #[serde(default)]
     pub optimizer_state: OptimizerState,
-    /// Placement of boundaries `0..=L`.
-    pub boundaries: Vec<Placement>,
     /// Predicted figures.
     pub predicted: Predicted,
     /// How it was solved.
@@ -267,23 +255,17 @@ pub struct Plan {
 impl Plan {
     /// The step shape of this plan.
     pub fn exec_config(&self) -> ExecConfig {
-        ExecConfig {
-            micro_batch_size: self.micro_batch_size,
-            grad_accum_steps: self.grad_accum_steps,
-            loss_chunk_tokens: self.loss_chunk_tokens,
-            optimizer_overlap: self.optimizer_overlap,
-            retain_all_logits: self.retain_all_logits,
-        }
+        self.step.shape
     }
 
     /// Number of decoder layers.
     pub fn num_layers(&self) -> usize {
-        self.boundaries.len().saturating_sub(1)
+        self.step.num_layers()
     }
 
     /// Segments `(s, e)` between consecutive kept boundaries, in forward order.
     pub fn segments(&self) -> Vec<(usize, usize)> {
-        segments(&self.boundaries)
+        segments(&self.step.boundaries)
     }
 
     /// Check the plan's own rules and that it matches `model`.
@@ -324,24 +306,19 @@ impl Plan {
         if self.version != PLAN_VERSION {
             return bad("version", format!("{} (expected {PLAN_VERSION})", self.version));
         }
-        check_boundaries(&self.boundaries, self.model.num_layers)?;
-        if self.micro_batch_size == 0 || self.grad_accum_steps == 0 {
-            return bad("micro_batch_size", "micro_batch_size and grad_accum_steps must be > 0".into());
-        }
-        if self.micro_batch_size * self.grad_accum_steps != self.batch_size {
+        self.step.validate(self.model.num_layers)?;
+        let shape = &self.step.shape;
+        if shape.micro_batch_size * shape.grad_accum_steps != self.batch_size {
             return bad(
                 "batch_size",
                 format!(
                     "{} != micro_batch_size {} x grad_accum_steps {}",
-                    self.batch_size, self.micro_batch_size, self.grad_accum_steps
+                    self.batch_size, shape.micro_batch_size, shape.grad_accum_steps
                 ),
             );
         }
         if self.seq_len == 0 {
             return bad("seq_len", "must be > 0".into());
-        }
-        if self.loss_chunk_tokens == 0 {
-            return bad("loss_chunk_tokens", "must be > 0".into());
         }
         Ok(())
     }
@@ -383,6 +360,204 @@ impl Plan {
             serde_json::from_value(value).map_err(|source| SchedError::PlanJson { path: name.to_string(), source })?;
         plan.validate_rules()?;
         Ok(plan)
+    }
+}
+
+/// The step contract: what the planner produces, the simulator replays and lt-exec executes, whole.
+///
+/// Every fixed policy is a constructor of this one type ([`Step::keep_all`], [`Step::recompute_all`],
+/// [`Step::megatrain`]); the planner's choice is [`Plan::step`]. The constructors use one sequence per
+/// micro-batch, no accumulation, 1,024-token loss chunks, the optimizer overlapped with the next
+/// forward and materialised attention (what lt-exec runs); set [`Step::shape`] to change them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Step {
+    /// Micro-batching, loss chunk, optimizer mode, MegaTrain's retained logits.
+    #[serde(flatten)]
+    pub shape: ExecConfig,
+    /// Attention kernel.
+    #[serde(default)]
+    pub attention: AttentionKernel,
+    /// Placement of boundaries `0..=L`.
+    pub boundaries: Vec<Placement>,
+}
+
+/// Loss chunk of [`Step`]'s constructors, tokens.
+pub const DEFAULT_LOSS_CHUNK: usize = 1024;
+
+/// MegaTrain's checkpoint interval, layers (shared/REFERENCE.md §2).
+pub const MEGATRAIN_INTERVAL: usize = 4;
+
+/// MegaTrain's loss chunk, tokens (its chunk size is not published; 4096 is one of ours).
+pub const MEGATRAIN_LOSS_CHUNK: usize = 4096;
+
+impl Step {
+    /// A step over `boundaries` with the default shape (see [`Step`]).
+    pub fn new(boundaries: Vec<Placement>) -> Self {
+        Self {
+            shape: ExecConfig {
+                micro_batch_size: 1,
+                grad_accum_steps: 1,
+                loss_chunk_tokens: DEFAULT_LOSS_CHUNK,
+                optimizer_overlap: OptimizerOverlap::OverlapNextForward,
+                retain_all_logits: false,
+            },
+            attention: AttentionKernel::Materialized,
+            boundaries,
+        }
+    }
+
+    /// Keep every boundary on the GPU.
+    pub fn keep_all(layers: usize) -> Self {
+        Self::new(vec![Placement::Gpu; layers + 1])
+    }
+
+    /// Keep only boundaries 0 and L; recompute everything in between.
+    pub fn recompute_all(layers: usize) -> Self {
+        Self::every(layers, layers.max(1) + 1, Placement::Gpu)
+    }
+
+    /// A checkpoint every `k` layers kept in `tier` (0 and L always on the GPU), the rest recomputed.
+    pub fn every(layers: usize, k: usize, tier: Placement) -> Self {
+        let k = k.max(1);
+        let boundaries = (0..=layers)
+            .map(|i| {
+                if i == 0 || i == layers {
+                    Placement::Gpu
+                } else if i % k == 0 {
+                    tier
+                } else {
+                    Placement::Recompute
+                }
+            })
+            .collect();
+        Self::new(boundaries)
+    }
+
+    /// Every interior boundary in `tier` (e.g. all on NVMe).
+    pub fn all_in(layers: usize, tier: Placement) -> Self {
+        Self::every(layers, 1, tier)
+    }
+
+    /// MegaTrain as published: a GPU checkpoint every [`MEGATRAIN_INTERVAL`] layers, the optimizer
+    /// serial after backward, [`MEGATRAIN_LOSS_CHUNK`]-token loss chunks whose logits are all kept until
+    /// one final backward.
+    pub fn megatrain(layers: usize) -> Self {
+        let mut s = Self::every(layers, MEGATRAIN_INTERVAL, Placement::Gpu);
+        s.shape.optimizer_overlap = OptimizerOverlap::Serial;
+        s.shape.loss_chunk_tokens = MEGATRAIN_LOSS_CHUNK;
+        s.shape.retain_all_logits = true;
+        s
+    }
+
+    /// The same step with `micro_batch_size` sequences per micro-batch and `grad_accum_steps`
+    /// micro-batches.
+    pub fn with_micro_batches(mut self, micro_batch_size: usize, grad_accum_steps: usize) -> Self {
+        self.shape.micro_batch_size = micro_batch_size;
+        self.shape.grad_accum_steps = grad_accum_steps;
+        self
+    }
+
+    /// Number of decoder layers.
+    pub fn num_layers(&self) -> usize {
+        self.boundaries.len().saturating_sub(1)
+    }
+
+    /// Check the step's own rules for a model of `layers` layers.
+    ///
+    /// # Errors
+    /// [`SchedError::InvalidPlan`] naming the broken rule.
+    pub fn validate(&self, layers: usize) -> Result<(), SchedError> {
+        let bad = |field, reason: &str| Err(SchedError::InvalidPlan { field, reason: reason.into() });
+        check_boundaries(&self.boundaries, layers)?;
+        if self.shape.micro_batch_size == 0 || self.shape.grad_accum_steps == 0 {
+            return bad("micro_batch_size", "micro_batch_size and grad_accum_steps must be > 0");
+        }
+        if self.shape.loss_chunk_tokens == 0 {
+            return bad("loss_chunk_tokens", "must be > 0");
+        }
+        Ok(())
+    }
+
+    /// One letter per boundary: `G` GPU, `H` host, `N` NVMe, `.` recomputed.
+    pub fn tiers(&self) -> String {
+        self.boundaries
+            .iter()
+            .map(|p| match p {
+                Placement::Gpu => 'G',
+                Placement::Host => 'H',
+                Placement::Nvme => 'N',
+                Placement::Recompute => '.',
+            })
+            .collect()
+    }
+
+    /// Kept boundaries in order (always includes 0 and L).
+    pub fn kept(&self) -> Vec<usize> {
+        self.boundaries.iter().enumerate().filter(|(_, p)| p.is_kept()).map(|(i, _)| i).collect()
+    }
+
+    /// Segments `(s, e)` between consecutive kept boundaries, top segment first (backward order).
+    pub fn segments_backward(&self) -> Vec<(usize, usize)> {
+        let mut s = segments(&self.boundaries);
+        s.reverse();
+        s
+    }
+
+    /// The h2d stream's transfers for one micro-batch, in the order compute consumes them:
+    /// the embedded tokens (gathered from the host embedding, so the embedding matrix never goes to the
+    /// device), the forward layers, the head (final norm and output projection) when `with_head`,
+    /// i.e. on the step's first micro-batch, while the last forward layer computes, and then per
+    /// backward segment the segment's start boundary if it lives off the GPU, the recompute layers
+    /// and the backward layers. The executor runs exactly this list; the simulator replays it.
+    pub fn uploads(&self, with_head: bool) -> Vec<Upload> {
+        let layers = self.num_layers();
+        let mut out = vec![Upload::Embed];
+        out.extend((0..layers).map(Upload::Layer));
+        if with_head {
+            out.push(Upload::Head);
+        }
+        for (s, e) in self.segments_backward() {
+            if self.boundaries[s].is_offloaded() {
+                out.push(Upload::Boundary(s));
+            }
+            out.extend((s..e.saturating_sub(1)).map(Upload::Layer));
+            out.extend((s..e).rev().map(Upload::Layer));
+        }
+        out
+    }
+
+    /// Host-to-device transfers of one step of `micro_batches` micro-batches: the head once, the rest
+    /// per micro-batch (see [`Step::uploads`]).
+    pub fn uploads_per_step(&self, micro_batches: usize) -> usize {
+        if micro_batches == 0 {
+            return 0;
+        }
+        self.uploads(true).len() + (micro_batches - 1) * self.uploads(false).len()
+    }
+}
+
+/// One host-to-device transfer of the h2d stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Upload {
+    /// The micro-batch's embedded tokens, `[B, T, hidden]` (boundary 0).
+    Embed,
+    /// Decoder layer `i`'s weights.
+    Layer(usize),
+    /// Final norm and output projection (the embedding matrix when tied).
+    Head,
+    /// Offloaded boundary `s` coming back for its backward segment.
+    Boundary(usize),
+}
+
+impl std::fmt::Display for Upload {
+    /// The name of the transfer's span in the trace.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Upload::Embed => write!(f, "upload embed"),
+            Upload::Layer(i) => write!(f, "upload L{i}"),
+            Upload::Head => write!(f, "upload head"),
+            Upload::Boundary(s) => write!(f, "reload B{s}"),
+        }
     }
 }
 
@@ -449,14 +624,18 @@ mod tests {
             hardware: BuiltinProfile::Cpu.profile(),
             batch_size: 4,
             seq_len: 16,
-            micro_batch_size: 2,
-            grad_accum_steps: 2,
-            loss_chunk_tokens: 8,
-            optimizer_overlap: OptimizerOverlap::OverlapNextForward,
-            retain_all_logits: false,
-            attention: AttentionKernel::Flash,
+            step: Step {
+                shape: ExecConfig {
+                    micro_batch_size: 2,
+                    grad_accum_steps: 2,
+                    loss_chunk_tokens: 8,
+                    optimizer_overlap: OptimizerOverlap::OverlapNextForward,
+                    retain_all_logits: false,
+                },
+                attention: AttentionKernel::Flash,
+                boundaries,
+            },
             optimizer_state: OptimizerState::Fp32,
-            boundaries,
             predicted: Predicted::default(),
             solver: SolverInfo { method: SolveMethod::Milp, solve_seconds: 0.0, mip_gap: None, warnings: vec![] },
         }
@@ -500,10 +679,10 @@ mod tests {
     fn boundary_rules_are_checked() {
         let m = tiny_model(4);
         let mut p = plan_for(&m);
-        p.boundaries[4] = Placement::Host;
+        p.step.boundaries[4] = Placement::Host;
         assert!(p.validate(&m).unwrap_err().to_string().contains("boundaries 0 and L"));
         let mut p = plan_for(&m);
-        p.grad_accum_steps = 3;
+        p.step.shape.grad_accum_steps = 3;
         assert!(p.validate(&m).unwrap_err().to_string().contains("batch_size"));
     }
 
@@ -514,5 +693,55 @@ mod tests {
         assert_eq!(segments(&b), vec![(0, 3), (3, 4), (4, 6)]);
         // Segment (0, 3) re-runs layers 0 and 1; (4, 6) re-runs layer 4.
         assert_eq!(recomputed_layers(&b), vec![true, true, false, false, true, false]);
+    }
+
+    #[test]
+    fn megatrain_every_four_and_segments() {
+        let p = Step::megatrain(10);
+        assert_eq!(p.kept(), vec![0, 4, 8, 10]);
+        assert_eq!(p.segments_backward(), vec![(8, 10), (4, 8), (0, 4)]);
+        assert_eq!(p.shape.optimizer_overlap, OptimizerOverlap::Serial);
+        assert_eq!(p.shape.loss_chunk_tokens, MEGATRAIN_LOSS_CHUNK);
+        p.validate(10).unwrap();
+        assert!(p.validate(9).is_err());
+        assert_eq!(Step::recompute_all(4).tiers(), "G...G");
+        assert_eq!(Step::keep_all(2).tiers(), "GGG");
+        assert_eq!(Step::all_in(3, Placement::Nvme).tiers(), "GNNG");
+    }
+
+    /// Forward layers, the head once, then per segment: its off-GPU start, recompute, backward.
+    #[test]
+    fn upload_schedule_follows_the_segments() {
+        use Upload::*;
+        // Boundaries [gpu, recompute, host, recompute, gpu]: segments (2, 4) then (0, 2).
+        let p = Step::every(4, 2, Placement::Host);
+        assert_eq!(p.segments_backward(), vec![(2, 4), (0, 2)]);
+        let want = [
+            Embed,
+            Layer(0),
+            Layer(1),
+            Layer(2),
+            Layer(3),
+            Head,
+            Boundary(2),
+            Layer(2),
+            Layer(3),
+            Layer(2),
+            Layer(0),
+            Layer(1),
+            Layer(0),
+        ];
+        assert_eq!(p.uploads(true), want);
+        let later: Vec<Upload> = want.iter().copied().filter(|u| *u != Head).collect();
+        assert_eq!(p.uploads(false), later);
+        assert_eq!(p.uploads_per_step(3), 13 + 2 * 12);
+        assert_eq!(p.uploads_per_step(0), 0);
+    }
+
+    #[test]
+    fn step_ends_must_be_on_the_gpu() {
+        let mut p = Step::keep_all(3);
+        p.boundaries[3] = Placement::Host;
+        assert!(p.validate(3).is_err());
     }
 }

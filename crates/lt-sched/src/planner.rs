@@ -22,7 +22,8 @@ use crate::cost::{CostOptions, ExecConfig, Instance};
 use crate::dp;
 use crate::milp::{self, MilpOptions, MilpOutcome};
 use crate::plan::{
-    OptimizerOverlap, PLAN_VERSION, Placement, Plan, PlanModel, Predicted, SolveMethod, SolverInfo, recomputed_layers,
+    OptimizerOverlap, PLAN_VERSION, Placement, Plan, PlanModel, Predicted, SolveMethod, SolverInfo, Step,
+    recomputed_layers,
 };
 use crate::sim::{SimReport, simulate};
 use crate::window::{self, Formulation, MemoryModel};
@@ -31,9 +32,6 @@ use crate::window::{self, Formulation, MemoryModel};
 /// 16384 the chunk's fp32 logits cost more memory than any speed they buy (`gemm_half_efficiency_rows`
 /// is 64 in the built-in profiles, so 16384 rows are at 99.6% of the asymptote).
 pub const LOSS_CHUNK_CANDIDATES: [usize; 6] = [512, 1024, 2048, 4096, 8192, 16384];
-
-/// Loss chunk of the baselines, tokens (MegaTrain's chunk size is not published; 4096 is one of ours).
-pub const BASELINE_LOSS_CHUNK: usize = 4096;
 
 /// Default longest segment: recomputing more than 16 layers to save one boundary slot never pays in
 /// the models we target (a 16-layer segment already re-runs 15 forwards), and the bound keeps the MILP
@@ -353,14 +351,8 @@ fn build_plan(
         hardware: hw.clone(),
         batch_size: req.batch_size,
         seq_len: req.seq_len,
-        micro_batch_size: cfg.micro_batch_size,
-        grad_accum_steps: cfg.grad_accum_steps,
-        loss_chunk_tokens: cfg.loss_chunk_tokens,
-        optimizer_overlap: cfg.optimizer_overlap,
-        retain_all_logits: cfg.retain_all_logits,
-        attention: req.cost.attention,
+        step: Step { shape: *cfg, attention: req.cost.attention, boundaries: placements },
         optimizer_state: req.cost.optimizer,
-        boundaries: placements,
         predicted: Predicted {
             step_seconds: sim.step_seconds,
             model_step_seconds: model_step,
@@ -376,85 +368,96 @@ fn build_plan(
     }
 }
 
-/// The fixed policies the planner is compared with, replayed by the same simulator.
+/// An activation policy: the planner's choice or one of the fixed policies it is compared with. The
+/// one policy type of the CLI (`lt train --policy`, `lt bench train`) and of xtask's matrices; each
+/// fixed policy is a [`Step`] constructor, replayed by the same simulator and run by the same executor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 #[serde(rename_all = "kebab-case")]
-pub enum Baseline {
-    /// MegaTrain: a checkpoint every 4 layers kept on the GPU, segments recomputed (each recomputed
-    /// layer's weights uploaded again), serial optimizer, every loss chunk's logits kept until one final
-    /// backward (shared/REFERENCE.md §2).
+pub enum Policy {
+    /// The planner (MILP) chooses per boundary: keep on GPU, host or NVMe, or recompute.
+    Auto,
+    /// The MegaTrain baseline as published: a GPU checkpoint every 4 layers, the optimizer serial after
+    /// backward, 4,096-token loss chunks whose logits are kept until one final backward
+    /// (`Step::megatrain`).
     Megatrain,
-    /// Every boundary kept on the GPU, serial optimizer, chunked loss.
+    /// Keep every boundary on the GPU.
     KeepAll,
-    /// Only boundaries 0 and L kept: one segment recomputed in full, serial optimizer, chunked loss.
-    /// Under this executor's semantics its backward peak equals keep-all's: it bounds compute, not
-    /// memory.
+    /// Keep only the first and last boundary; recompute everything else (bounds compute, not memory:
+    /// its backward peak equals keep-all's).
     RecomputeAll,
 }
 
-impl Baseline {
-    /// All baselines.
-    pub const ALL: [Baseline; 3] = [Baseline::Megatrain, Baseline::KeepAll, Baseline::RecomputeAll];
+impl Policy {
+    /// The fixed policies.
+    pub const FIXED: [Policy; 3] = [Policy::Megatrain, Policy::KeepAll, Policy::RecomputeAll];
 
-    /// Name as printed.
+    /// The name on the command line and in reports (`keep-all`).
     pub fn name(self) -> &'static str {
         match self {
-            Baseline::Megatrain => "megatrain",
-            Baseline::KeepAll => "keep-all",
-            Baseline::RecomputeAll => "recompute-all",
+            Policy::Auto => "auto",
+            Policy::Megatrain => "megatrain",
+            Policy::KeepAll => "keep-all",
+            Policy::RecomputeAll => "recompute-all",
         }
     }
 
-    /// MegaTrain's checkpoint interval.
-    pub const MEGATRAIN_INTERVAL: usize = 4;
-
-    /// The baseline's placements for `layers` layers.
-    pub fn placements(self, layers: usize) -> Vec<Placement> {
-        (0..=layers)
-            .map(|i| {
-                let kept = match self {
-                    Baseline::Megatrain => i % Self::MEGATRAIN_INTERVAL == 0,
-                    Baseline::KeepAll => true,
-                    Baseline::RecomputeAll => false,
-                };
-                if kept || i == 0 || i == layers { Placement::Gpu } else { Placement::Recompute }
-            })
-            .collect()
-    }
-
-    fn retains_logits(self) -> bool {
-        self == Baseline::Megatrain
+    /// The fixed policy's step for `layers` layers (one sequence per micro-batch); `None` for `Auto`.
+    pub fn step(self, layers: usize) -> Option<Step> {
+        match self {
+            Policy::Auto => None,
+            Policy::Megatrain => Some(Step::megatrain(layers)),
+            Policy::KeepAll => Some(Step::keep_all(layers)),
+            Policy::RecomputeAll => Some(Step::recompute_all(layers)),
+        }
     }
 }
 
-/// Replay a baseline at `req`'s batch: the largest micro-batch (dividing the batch) whose memory fits,
-/// so gradient accumulation is used only when the whole batch does not fit. `None` when even one
+impl std::fmt::Display for Policy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A fixed policy's step at `mb` sequences per micro-batch and `k` micro-batches of `seq_len` tokens
+/// (its loss chunk clipped to the micro-batch's tokens).
+fn fixed_step(which: Policy, layers: usize, mb: usize, k: usize, seq_len: usize) -> Result<Step, SchedError> {
+    let mut step = which.step(layers).ok_or(SchedError::InvalidRequest {
+        field: "policy",
+        reason: "`auto` is the planner's choice, not a fixed policy".into(),
+    })?;
+    step = step.with_micro_batches(mb, k);
+    step.shape.loss_chunk_tokens = step.shape.loss_chunk_tokens.min(mb * seq_len).max(1);
+    Ok(step)
+}
+
+/// Replay a fixed policy at `req`'s batch: the largest micro-batch (dividing the batch) whose memory
+/// fits, so gradient accumulation is used only when the whole batch does not fit. `None` when even one
 /// sequence per micro-batch does not fit.
 ///
 /// # Errors
-/// [`SchedError::InvalidRequest`] for a malformed request.
+/// [`SchedError::InvalidRequest`] for a malformed request or `Policy::Auto`.
 pub fn baseline(
     model: &ModelConfig,
     hw: &HardwareProfile,
     req: &PlanRequest,
-    which: Baseline,
+    which: Policy,
 ) -> Result<Option<(Plan, SimReport)>, SchedError> {
     req.check()?;
     let started = Instant::now();
     let l = model.num_layers();
-    let placements = which.placements(l);
     let mut mbs: Vec<usize> = (1..=req.batch_size).filter(|d| req.batch_size.is_multiple_of(*d)).collect();
     mbs.reverse();
     for mb in mbs {
-        let k = req.batch_size / mb;
-        let chunk = BASELINE_LOSS_CHUNK.min(mb * req.seq_len);
-        let cfg = exec(mb, k, chunk, OptimizerOverlap::Serial, which.retains_logits());
+        let step = fixed_step(which, l, mb, req.batch_size / mb, req.seq_len)?;
+        let cfg = step.shape;
+        let overlap = cfg.optimizer_overlap;
         let inst = Instance::from_model(model, hw, req.seq_len, &cfg, req.cost)?;
-        if MemoryModel::new(&inst).check(&placements).is_err() {
+        if MemoryModel::new(&inst).check(&step.boundaries).is_err() {
             continue;
         }
-        let model_step = window::step_time(&inst, &placements, OptimizerOverlap::Serial);
-        let sim = simulate(&inst, &placements, OptimizerOverlap::Serial, req.trace);
+        let model_step = window::step_time(&inst, &step.boundaries, overlap);
+        let sim = simulate(&inst, &step.boundaries, overlap, req.trace);
         let warnings = validate_replay(&inst, &sim, model_step);
         let info = SolverInfo {
             method: SolveMethod::Fixed,
@@ -462,7 +465,7 @@ pub fn baseline(
             mip_gap: None,
             warnings,
         };
-        let plan = build_plan(model, hw, req, &inst, &cfg, placements, &sim, model_step, info);
+        let plan = build_plan(model, hw, req, &inst, &cfg, step.boundaries, &sim, model_step, info);
         return Ok(Some((plan, sim)));
     }
     Ok(None)
@@ -475,23 +478,22 @@ fn fits_one_micro_batch(
     hw: &HardwareProfile,
     req: &PlanRequest,
     batch: usize,
-    which: Option<Baseline>,
+    which: Policy,
 ) -> Result<bool, SchedError> {
     let tokens = batch * req.seq_len;
-    let (chunk, retain) = match which {
-        Some(b) => (BASELINE_LOSS_CHUNK.min(tokens), b.retains_logits()),
-        None => (req.chunks(tokens).into_iter().min().unwrap_or(tokens), false),
-    };
-    let cfg = exec(batch, 1, chunk, OptimizerOverlap::Serial, retain);
+    if which != Policy::Auto {
+        let step = fixed_step(which, model.num_layers(), batch, 1, req.seq_len)?;
+        let inst = Instance::from_model(model, hw, req.seq_len, &step.shape, req.cost)?;
+        return Ok(MemoryModel::new(&inst).check(&step.boundaries).is_ok());
+    }
+    let chunk = req.chunks(tokens).into_iter().min().unwrap_or(tokens);
+    let cfg = exec(batch, 1, chunk, OptimizerOverlap::Serial, false);
     let inst = Instance::from_model(model, hw, req.seq_len, &cfg, req.cost)?;
-    Ok(match which {
-        Some(b) => MemoryModel::new(&inst).check(&b.placements(model.num_layers())).is_ok(),
-        None => dp::feasible(&Formulation::new(&inst, OptimizerOverlap::Serial, req.max_segment_len)).is_some(),
-    })
+    Ok(dp::feasible(&Formulation::new(&inst, OptimizerOverlap::Serial, req.max_segment_len)).is_some())
 }
 
-/// Largest batch that fits in one micro-batch (memory only, no accumulation): the planner's when
-/// `which` is `None`, else the baseline's. `None` when not even one sequence fits.
+/// Largest batch that fits in one micro-batch (memory only, no accumulation) under policy `which`
+/// (`Auto`: the planner's). `None` when not even one sequence fits.
 ///
 /// # Errors
 /// [`SchedError::InvalidRequest`] for a malformed request.
@@ -499,7 +501,7 @@ pub fn max_batch(
     model: &ModelConfig,
     hw: &HardwareProfile,
     req: &PlanRequest,
-    which: Option<Baseline>,
+    which: Policy,
 ) -> Result<Option<usize>, SchedError> {
     let fits = |b: usize| fits_one_micro_batch(model, hw, req, b, which);
     if !fits(1)? {
@@ -623,7 +625,7 @@ mod tests {
         out.plan.validate(&m).unwrap();
         assert!(out.plan.solver.warnings.is_empty(), "{:?}", out.plan.solver.warnings);
         assert!(out.sim.peak_gpu_bytes <= hw.gpu_memory.as_f64());
-        let (mt, _) = baseline(&m, &hw, &req, Baseline::Megatrain).unwrap().unwrap();
+        let (mt, _) = baseline(&m, &hw, &req, Policy::Megatrain).unwrap().unwrap();
         assert!(mt.solver.warnings.is_empty(), "{:?}", mt.solver.warnings);
         // The planner's search space contains MegaTrain's policy (with a chunked loss and Serial
         // optimizer it is never worse), so it can only be faster.
@@ -643,7 +645,7 @@ mod tests {
         hw.gpu_memory.0 = g;
         assert!(plan(&m, &hw, &req).is_ok());
         hw.gpu_memory.0 = g - (1 << 20);
-        assert!(max_batch(&m, &hw, &req, None).unwrap().is_none());
+        assert!(max_batch(&m, &hw, &req, Policy::Auto).unwrap().is_none());
     }
 
     #[test]
@@ -671,7 +673,7 @@ mod tests {
             let p = &out.plan.predicted;
             assert!(out.plan.solver.warnings.is_empty(), "{name}: {:?}", out.plan.solver.warnings);
             assert!(p.peak_gpu_bytes <= 80_000_000_000, "{name}: peak {}", p.peak_gpu_bytes);
-            let (mt, _) = baseline(&m, &hw, &req, Baseline::Megatrain).unwrap().unwrap();
+            let (mt, _) = baseline(&m, &hw, &req, Policy::Megatrain).unwrap().unwrap();
             assert!(mt.solver.warnings.is_empty(), "{name}: {:?}", mt.solver.warnings);
             let speedup = mt.predicted.step_seconds / p.step_seconds;
             assert!(speedup >= 1.15, "{name}: predicted speedup {speedup}");
@@ -686,11 +688,11 @@ mod tests {
         let req = PlanRequest::new(1, 1024);
         for name in ["qwen2.5-3b.json", "qwen2.5-7b.json", "qwen2.5-14b.json", "qwen3.6-27b.json"] {
             let m = published(name);
-            let ours = max_batch(&m, &hw, &req, None).unwrap().unwrap_or(0);
-            let theirs = max_batch(&m, &hw, &req, Some(Baseline::Megatrain)).unwrap().unwrap_or(0);
+            let ours = max_batch(&m, &hw, &req, Policy::Auto).unwrap().unwrap_or(0);
+            let theirs = max_batch(&m, &hw, &req, Policy::Megatrain).unwrap().unwrap_or(0);
             assert!(ours > theirs, "{name}: {ours} vs {theirs} (need at least +1)");
             // The answer is the boundary: one more sequence does not fit in one micro-batch.
-            assert!(!fits_one_micro_batch(&m, &hw, &req, ours + 1, None).unwrap(), "{name}");
+            assert!(!fits_one_micro_batch(&m, &hw, &req, ours + 1, Policy::Auto).unwrap(), "{name}");
         }
     }
 
@@ -707,7 +709,7 @@ mod tests {
             req.optimizer_overlap = Some(overlap);
             req.micro_batch_size = Some(2);
             let out = plan(&m, &BuiltinProfile::Cpu.profile(), &req).unwrap();
-            assert_eq!(out.plan.boundaries, vec![Placement::Gpu, Placement::Gpu]);
+            assert_eq!(out.plan.step.boundaries, vec![Placement::Gpu, Placement::Gpu]);
             assert!(out.plan.solver.warnings.is_empty(), "{overlap:?}: {:?}", out.plan.solver.warnings);
         }
     }

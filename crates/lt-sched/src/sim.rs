@@ -28,42 +28,46 @@ use crate::cost::Instance;
 use crate::plan::{OptimizerOverlap, Placement, StreamTimes, Tier};
 use crate::window::{Op, micro_batch_ops};
 
-/// A stream of the replay.
+/// An execution stream: of the replay here, of the executor's measured trace in lt-exec (a thread
+/// on CPU; a CUDA stream on GPU). One type for both, so predicted and measured timelines line up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Stream {
-    /// GPU kernels.
+    /// Layer forward/backward and the head (GPU kernels).
     Compute,
-    /// Host-to-device copies.
+    /// Host-to-device: weight uploads and activation reloads.
     H2d,
-    /// Device-to-host copies.
+    /// Device-to-host: gradient downloads and activation offloads.
     D2h,
-    /// NVMe reads and writes.
+    /// NVMe spill reads and writes.
     Nvme,
-    /// Host optimizer.
-    Cpu,
+    /// Host optimizer updates.
+    Optimizer,
 }
 
 impl Stream {
-    const ALL: [Stream; 5] = [Stream::Compute, Stream::H2d, Stream::D2h, Stream::Nvme, Stream::Cpu];
+    /// All streams, in display order.
+    pub const ALL: [Stream; 5] = [Stream::Compute, Stream::H2d, Stream::D2h, Stream::Nvme, Stream::Optimizer];
 
-    fn index(self) -> usize {
+    /// Position in [`Stream::ALL`] (the Chrome trace's thread id).
+    pub fn index(self) -> usize {
         match self {
             Stream::Compute => 0,
             Stream::H2d => 1,
             Stream::D2h => 2,
             Stream::Nvme => 3,
-            Stream::Cpu => 4,
+            Stream::Optimizer => 4,
         }
     }
 
-    fn name(self) -> &'static str {
+    /// The lane's name (`compute`, `h2d`, `d2h`, `nvme`, `optimizer`).
+    pub fn name(self) -> &'static str {
         match self {
             Stream::Compute => "compute",
             Stream::H2d => "h2d",
             Stream::D2h => "d2h",
             Stream::Nvme => "nvme",
-            Stream::Cpu => "cpu",
+            Stream::Optimizer => "optimizer",
         }
     }
 }
@@ -468,7 +472,7 @@ pub fn simulate(inst: &Instance, placements: &[Placement], overlap: OptimizerOve
             g.hold(GPU, inst.head.stage_bytes, head, true, [down_head, NONE]);
             let last_mb = m + 1 == k;
             if last_mb && overlap == OptimizerOverlap::OverlapBackward {
-                opt_head = g.add(Stream::Cpu, inst.opt_head_seconds, &[down_head], Label::OptHead, mbu);
+                opt_head = g.add(Stream::Optimizer, inst.opt_head_seconds, &[down_head], Label::OptHead, mbu);
             }
             let mut last_bwd = NONE;
             for (q, &(op, _)) in bwd_ops.iter().enumerate() {
@@ -538,8 +542,13 @@ pub fn simulate(inst: &Instance, placements: &[Placement], overlap: OptimizerOve
                     gbuf_drain[gb] = dg;
                     gb ^= 1;
                     if last_mb && overlap == OptimizerOverlap::OverlapBackward {
-                        opt_layer[j] =
-                            g.add(Stream::Cpu, inst.layers[j].optimizer_seconds, &[dg], Label::Opt(j as u32), mbu);
+                        opt_layer[j] = g.add(
+                            Stream::Optimizer,
+                            inst.layers[j].optimizer_seconds,
+                            &[dg],
+                            Label::Opt(j as u32),
+                            mbu,
+                        );
                     }
                     last_bwd = id;
                 }
@@ -550,16 +559,21 @@ pub fn simulate(inst: &Instance, placements: &[Placement], overlap: OptimizerOve
             if last_mb {
                 match overlap {
                     OptimizerOverlap::OverlapBackward => {
-                        opt_embed = g.add(Stream::Cpu, inst.opt_embed_seconds, &[dx0], Label::OptEmbed, mbu);
+                        opt_embed = g.add(Stream::Optimizer, inst.opt_embed_seconds, &[dx0], Label::OptEmbed, mbu);
                         serial_gate = NONE;
                     }
                     OptimizerOverlap::Serial | OptimizerOverlap::OverlapNextForward => {
-                        opt_embed = g.add(Stream::Cpu, inst.opt_embed_seconds, &[dx0], Label::OptEmbed, mbu);
+                        opt_embed = g.add(Stream::Optimizer, inst.opt_embed_seconds, &[dx0], Label::OptEmbed, mbu);
                         for (i, slot) in opt_layer.iter_mut().enumerate() {
-                            *slot =
-                                g.add(Stream::Cpu, inst.layers[i].optimizer_seconds, &[dx0], Label::Opt(i as u32), mbu);
+                            *slot = g.add(
+                                Stream::Optimizer,
+                                inst.layers[i].optimizer_seconds,
+                                &[dx0],
+                                Label::Opt(i as u32),
+                                mbu,
+                            );
                         }
-                        opt_head = g.add(Stream::Cpu, inst.opt_head_seconds, &[dx0], Label::OptHead, mbu);
+                        opt_head = g.add(Stream::Optimizer, inst.opt_head_seconds, &[dx0], Label::OptHead, mbu);
                         serial_gate = if overlap == OptimizerOverlap::Serial { opt_head } else { NONE };
                     }
                 }

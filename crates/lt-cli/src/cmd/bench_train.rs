@@ -25,7 +25,7 @@ use anyhow::Result;
 use burn::tensor::backend::AutodiffBackend;
 use lt_core::{ByteSize, ModelConfig};
 use lt_exec::ExecError;
-use lt_exec::plan::{ExecPlan, Placement};
+use lt_exec::plan::{Placement, Step};
 use lt_exec::state::SharedModel;
 use lt_exec::train::{LrSchedule, StepMetrics, TrainOptions, Trainer};
 use lt_model::host::HostModel;
@@ -263,7 +263,7 @@ fn bench(args: &BenchTrainArgs) -> Result<Report, Failure> {
     let cfg = ModelConfig::from_path(path).map_err(|e| err(e.into()))?;
     let s = settings(args).map_err(err)?;
     let chosen = choose_plan(&s, &cfg).map_err(err)?;
-    let micro = chosen.micro_batch_size;
+    let micro = chosen.micro_batch_size();
     if !args.json {
         eprintln!("{}", chosen.summary);
     }
@@ -307,21 +307,12 @@ activations) but only {} is available (MemAvailable)",
     }
 }
 
-fn to_sched(p: Placement) -> lt_sched::Placement {
-    match p {
-        Placement::Device => lt_sched::Placement::Gpu,
-        Placement::Host => lt_sched::Placement::Host,
-        Placement::Nvme => lt_sched::Placement::Nvme,
-        Placement::Recompute => lt_sched::Placement::Recompute,
-    }
-}
-
 /// The step shape the executor runs, as lt-sched's cost model sees it.
-fn exec_config(plan: &ExecPlan, micro: usize, batch: usize, seq: usize, overlap: bool) -> ExecConfig {
+fn exec_config(plan: &Step, micro: usize, batch: usize, seq: usize, overlap: bool) -> ExecConfig {
     ExecConfig {
         micro_batch_size: micro,
         grad_accum_steps: batch.div_ceil(micro),
-        loss_chunk_tokens: plan.loss_chunk_tokens.min(micro * seq).max(1),
+        loss_chunk_tokens: plan.shape.loss_chunk_tokens.min(micro * seq).max(1),
         optimizer_overlap: if overlap {
             lt_sched::OptimizerOverlap::OverlapNextForward
         } else {
@@ -434,12 +425,12 @@ fn bench_on<B: AutodiffBackend>(
         warmup_steps: 0,
         schedule: LrSchedule::Constant,
         total_steps: s.steps,
-        overlap_optimizer: chosen.overlap_optimizer,
+        overlap_optimizer: chosen.overlap_optimizer(),
         threads: s.threads,
     };
     let mut trainer =
         Trainer::new(Arc::new(SharedModel::new(host, 0)), executor, opts, None, 0).map_err(|e| err(e.into()))?;
-    let measured = Measured { init_seconds, ..timed_steps(args, s, cfg, chosen.micro_batch_size, &mut trainer)? };
+    let measured = Measured { init_seconds, ..timed_steps(args, s, cfg, chosen.micro_batch_size(), &mut trainer)? };
     if let Some(path) = &args.trace {
         let first = args.warmup + 1;
         let total = args.warmup + args.steps;
@@ -507,11 +498,10 @@ struct CostFigures {
 
 fn cost_figures(s: &RunSettings, cfg: &ModelConfig, chosen: &ChosenPlan) -> Result<CostFigures, Failure> {
     let err = |e: anyhow::Error| Failure::from_error(&e);
-    let micro = chosen.micro_batch_size;
+    let micro = chosen.micro_batch_size();
     let hw = &chosen.hardware;
-    let ecfg = exec_config(&chosen.plan, micro, s.batch_size, s.seq_len, chosen.overlap_optimizer);
-    let sched_boundaries: Vec<lt_sched::Placement> = chosen.plan.boundaries.iter().map(|p| to_sched(*p)).collect();
-    let recomputed = lt_sched::plan::recomputed_layers(&sched_boundaries);
+    let ecfg = exec_config(&chosen.plan, micro, s.batch_size, s.seq_len, chosen.overlap_optimizer());
+    let recomputed = lt_sched::plan::recomputed_layers(&chosen.plan.boundaries);
     let executed = Instance::from_model(
         cfg,
         hw,
@@ -536,7 +526,7 @@ fn cost_figures(s: &RunSettings, cfg: &ModelConfig, chosen: &ChosenPlan) -> Resu
                 CostOptions { optimizer: s.optimizer.state(), ..CostOptions::default() },
             )
             .map_err(|e| err(e.into()))?;
-            let sim = lt_sched::simulate(&inst, &sched_boundaries, ecfg.optimizer_overlap, false);
+            let sim = lt_sched::simulate(&inst, &chosen.plan.boundaries, ecfg.optimizer_overlap, false);
             (Some(sim.step_seconds), format!("lt-sched simulator replay of the fixed plan on the {} profile", hw.name))
         }
     };
@@ -554,7 +544,7 @@ fn figures(
 ) -> Result<Report, Failure> {
     let CostFigures { hardware, ecfg, executed_flops: executed, predicted, predicted_source } =
         cost_figures(s, cfg, chosen)?;
-    let micro = chosen.micro_batch_size;
+    let micro = chosen.micro_batch_size();
     let timed = &m.timed;
     let secs: Vec<f64> = timed.iter().map(|m| m.step_seconds).collect();
     let step_seconds = mean(&secs);
@@ -598,7 +588,7 @@ fn figures(
         "hardware": hardware,
         "optimizer": s.optimizer.name(),
         "threads": s.threads,
-        "overlap_optimizer": chosen.overlap_optimizer,
+        "overlap_optimizer": chosen.overlap_optimizer(),
         "step_seconds": step_seconds,
         "step_seconds_all": secs,
         "tokens_per_step": tokens,

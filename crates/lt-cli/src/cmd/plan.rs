@@ -12,7 +12,7 @@ use clap::ValueEnum;
 use lt_core::ModelConfig;
 use lt_core::hardware::HardwareProfile;
 use lt_sched::cost::{AttentionKernel, CostOptions};
-use lt_sched::planner::{self, Baseline, PlanOutcome, PlanRequest};
+use lt_sched::planner::{self, PlanOutcome, PlanRequest, Policy};
 use lt_sched::{OptimizerOverlap, Placement, Plan, SchedError};
 
 /// Arguments of `lt plan`.
@@ -144,13 +144,13 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         }
     };
     let mut baselines = Vec::new();
-    for b in Baseline::ALL {
+    for b in Policy::FIXED {
         baselines.push((b, planner::baseline(&s.model, &s.hw, &s.req, b)?.map(|(p, _)| p)));
     }
     let max_batch = if args.max_batch {
         Some((
-            planner::max_batch(&s.model, &s.hw, &s.req, None)?,
-            planner::max_batch(&s.model, &s.hw, &s.req, Some(Baseline::Megatrain))?,
+            planner::max_batch(&s.model, &s.hw, &s.req, Policy::Auto)?,
+            planner::max_batch(&s.model, &s.hw, &s.req, Policy::Megatrain)?,
         ))
     } else {
         None
@@ -194,7 +194,7 @@ fn overlap_name(o: OptimizerOverlap) -> &'static str {
 fn print_text(
     s: &Setup,
     o: &PlanOutcome,
-    baselines: &[(Baseline, Option<Plan>)],
+    baselines: &[(Policy, Option<Plan>)],
     max_batch: Option<(Option<usize>, Option<usize>)>,
     args: &PlanArgs,
 ) {
@@ -241,10 +241,10 @@ fn print_header(s: &Setup, o: &PlanOutcome) {
     }
     println!(
         "step shape: micro-batch {} x {} accumulation, loss chunk {} tokens, optimizer {}",
-        p.micro_batch_size,
-        p.grad_accum_steps,
-        p.loss_chunk_tokens,
-        overlap_name(p.optimizer_overlap)
+        p.step.shape.micro_batch_size,
+        p.step.shape.grad_accum_steps,
+        p.step.shape.loss_chunk_tokens,
+        overlap_name(p.step.shape.optimizer_overlap)
     );
 }
 
@@ -257,7 +257,7 @@ fn print_layers(o: &PlanOutcome) {
         "{:>5}  {:<7}  {:<10}  {:<10}  {:>10}  {:>10}",
         "layer", "kind", "input in", "recomputed", "fwd ms", "bwd ms"
     );
-    let rec = lt_sched::plan::recomputed_layers(&p.boundaries);
+    let rec = lt_sched::plan::recomputed_layers(&p.step.boundaries);
     for (i, l) in o.instance.layers.iter().enumerate() {
         let kind = match l.kind {
             lt_core::LayerKind::FullAttention => "full",
@@ -267,14 +267,14 @@ fn print_layers(o: &PlanOutcome) {
             "{:>5}  {:<7}  {:<10}  {:<10}  {:>10.2}  {:>10.2}",
             i,
             kind,
-            tier_name(p.boundaries[i]),
+            tier_name(p.step.boundaries[i]),
             if rec[i] { "yes" } else { "no" },
             l.fwd_seconds * 1e3,
             l.bwd_seconds * 1e3
         );
     }
-    println!("{:>5}  {:<7}  {:<10}", "head", "", tier_name(p.boundaries[p.boundaries.len() - 1]));
-    let kept = |t: Placement| p.boundaries.iter().filter(|&&b| b == t).count();
+    println!("{:>5}  {:<7}  {:<10}", "head", "", tier_name(p.step.boundaries[p.step.boundaries.len() - 1]));
+    let kept = |t: Placement| p.step.boundaries.iter().filter(|&&b| b == t).count();
     println!(
         "boundaries: {} on GPU, {} in host memory, {} on NVMe, {} recomputed",
         kept(Placement::Gpu),
@@ -285,7 +285,7 @@ fn print_layers(o: &PlanOutcome) {
 }
 
 /// Prints the predicted figures of the plan beside each baseline, one column per plan.
-fn print_comparison(p: &Plan, baselines: &[(Baseline, Option<Plan>)]) {
+fn print_comparison(p: &Plan, baselines: &[(Policy, Option<Plan>)]) {
     let mut cols: Vec<(&str, Option<&Plan>)> = vec![("lazytrain", Some(p))];
     for (b, bp) in baselines {
         cols.push((b.name(), bp.as_ref()));
@@ -297,7 +297,7 @@ fn print_comparison(p: &Plan, baselines: &[(Baseline, Option<Plan>)]) {
     println!();
     let mt_step = baselines
         .iter()
-        .find(|(b, _)| *b == Baseline::Megatrain)
+        .find(|(b, _)| *b == Policy::Megatrain)
         .and_then(|(_, p)| p.as_ref())
         .map(|p| p.predicted.step_seconds);
     type Row<'a> = (&'a str, Box<dyn Fn(&Plan) -> String>);
@@ -317,7 +317,10 @@ fn print_comparison(p: &Plan, baselines: &[(Baseline, Option<Plan>)]) {
         ("exposed D2H s (predicted)", Box::new(|q: &Plan| format!("{:.3}", q.predicted.exposed_seconds.d2h))),
         ("exposed NVMe s (predicted)", Box::new(|q: &Plan| format!("{:.3}", q.predicted.exposed_seconds.nvme))),
         ("exposed optimizer s (predicted)", Box::new(|q: &Plan| format!("{:.3}", q.predicted.exposed_seconds.cpu))),
-        ("micro-batch x accumulation", Box::new(|q: &Plan| format!("{}x{}", q.micro_batch_size, q.grad_accum_steps))),
+        (
+            "micro-batch x accumulation",
+            Box::new(|q: &Plan| format!("{}x{}", q.step.shape.micro_batch_size, q.step.shape.grad_accum_steps)),
+        ),
     ];
     for (label, f) in &rows {
         print!("{label:<36}");
@@ -331,15 +334,15 @@ fn print_comparison(p: &Plan, baselines: &[(Baseline, Option<Plan>)]) {
 fn summary_json(
     s: &Setup,
     o: &PlanOutcome,
-    baselines: &[(Baseline, Option<Plan>)],
+    baselines: &[(Policy, Option<Plan>)],
     max_batch: Option<(Option<usize>, Option<usize>)>,
     total_seconds: f64,
 ) -> serde_json::Value {
     let p = &o.plan;
     let pr = &p.predicted;
-    let base = |b: Baseline| baselines.iter().find(|(x, _)| *x == b).and_then(|(_, p)| p.as_ref());
-    let mt = base(Baseline::Megatrain);
-    let rec = lt_sched::plan::recomputed_layers(&p.boundaries);
+    let base = |b: Policy| baselines.iter().find(|(x, _)| *x == b).and_then(|(_, p)| p.as_ref());
+    let mt = base(Policy::Megatrain);
+    let rec = lt_sched::plan::recomputed_layers(&p.step.boundaries);
     let layers: Vec<serde_json::Value> = o
         .instance
         .layers
@@ -349,7 +352,7 @@ fn summary_json(
             serde_json::json!({
                 "index": i,
                 "kind": l.kind,
-                "input": tier_name(p.boundaries[i]),
+                "input": tier_name(p.step.boundaries[i]),
                 "recomputed": rec[i],
                 "predicted_fwd_seconds": l.fwd_seconds,
                 "predicted_bwd_seconds": l.bwd_seconds,
@@ -364,8 +367,8 @@ fn summary_json(
                 "hardware_tflops": q.predicted.hardware_tflops,
                 "peak_gpu_bytes": q.predicted.peak_gpu_bytes,
                 "peak_host_bytes": q.predicted.peak_host_bytes,
-                "micro_batch_size": q.micro_batch_size,
-                "grad_accum_steps": q.grad_accum_steps,
+                "micro_batch_size": q.step.shape.micro_batch_size,
+                "grad_accum_steps": q.step.shape.grad_accum_steps,
             })
         })
     };
@@ -393,15 +396,15 @@ fn summary_json(
         "peak_host_bytes": pr.peak_host_bytes,
         "peak_nvme_bytes": pr.peak_nvme_bytes,
         "exposed_seconds": pr.exposed_seconds,
-        "micro_batch_size": p.micro_batch_size,
-        "grad_accum_steps": p.grad_accum_steps,
-        "loss_chunk_tokens": p.loss_chunk_tokens,
-        "optimizer_overlap": p.optimizer_overlap,
+        "micro_batch_size": p.step.shape.micro_batch_size,
+        "grad_accum_steps": p.step.shape.grad_accum_steps,
+        "loss_chunk_tokens": p.step.shape.loss_chunk_tokens,
+        "optimizer_overlap": p.step.shape.optimizer_overlap,
         "layers": layers,
         "baselines": {
             "megatrain": baseline_summary(mt),
-            "keep-all": baseline_summary(base(Baseline::KeepAll)),
-            "recompute-all": baseline_summary(base(Baseline::RecomputeAll)),
+            "keep-all": baseline_summary(base(Policy::KeepAll)),
+            "recompute-all": baseline_summary(base(Policy::RecomputeAll)),
         },
     });
     if let (Some((ours, theirs)), Some(obj)) = (max_batch, v.as_object_mut()) {
@@ -498,7 +501,7 @@ mod tests {
         .unwrap();
         let s = setup(&cli.args).unwrap();
         let o = planner::plan(&s.model, &s.hw, &s.req).unwrap();
-        let b: Vec<_> = Baseline::ALL
+        let b: Vec<_> = Policy::FIXED
             .into_iter()
             .map(|b| (b, planner::baseline(&s.model, &s.hw, &s.req, b).unwrap().map(|(p, _)| p)))
             .collect();

@@ -32,7 +32,7 @@ use anyhow::{Context, Result, bail};
 use burn::tensor::backend::{AutodiffBackend, BackendTypes};
 use lt_core::ByteSize;
 use lt_exec::executor::{ActivationSpill, Executor};
-use lt_exec::plan::{ExecPlan, Placement};
+use lt_exec::plan::{Placement, Step};
 use lt_exec::state::SharedModel;
 use lt_exec::train::{LrSchedule, TrainOptions, Trainer};
 use lt_model::host::HostModel;
@@ -264,7 +264,7 @@ fn train_options() -> TrainOptions {
 fn train_losses<B: AutodiffBackend>(
     host: &HostModel,
     batch: &Batch,
-    plan: ExecPlan,
+    plan: Step,
     micro: usize,
     steps: usize,
     spill_dir: &Path,
@@ -297,20 +297,20 @@ fn train_losses<B: AutodiffBackend>(
 }
 
 /// The policies the streamed-training checks run: name, plan, micro-batches.
-fn policies(layers: usize) -> Vec<(&'static str, ExecPlan, usize)> {
+fn policies(layers: usize) -> Vec<(&'static str, Step, usize)> {
     vec![
-        ("keep-all", ExecPlan::keep_all(layers), 1),
-        ("recompute-all", ExecPlan::recompute_all(layers), 1),
-        ("megatrain", ExecPlan::every(layers, 4, Placement::Device), 2),
-        ("all-host", ExecPlan::all_in(layers, Placement::Host), 2),
-        ("all-nvme", ExecPlan::all_in(layers, Placement::Nvme), 2),
+        ("keep-all", Step::keep_all(layers), 1),
+        ("recompute-all", Step::recompute_all(layers), 1),
+        ("megatrain", Step::every(layers, 4, Placement::Gpu), 2),
+        ("all-host", Step::all_in(layers, Placement::Host), 2),
+        ("all-nvme", Step::all_in(layers, Placement::Nvme), 2),
     ]
 }
 
 /// Logits, loss and gradient checks of one fixture on a backend.
 type ModelCheckFn<'a> = dyn Fn(&str, &HostModel, &Batch, &Reference) -> Vec<Check> + 'a;
 /// Streamed training losses: model, batch, plan, micro-batches, steps, spill folder.
-type TrainFn<'a> = dyn Fn(&HostModel, &Batch, ExecPlan, usize, usize, &Path) -> Result<Vec<f64>> + 'a;
+type TrainFn<'a> = dyn Fn(&HostModel, &Batch, Step, usize, usize, &Path) -> Result<Vec<f64>> + 'a;
 
 /// One backend under test.
 struct UnderTest<'a> {
@@ -330,7 +330,7 @@ where
     move |f, h, b, r| model_checks::<B>(f, label, tol, h, b, r, &Default::default())
 }
 
-fn generic_train<B: AutodiffBackend>() -> impl Fn(&HostModel, &Batch, ExecPlan, usize, usize, &Path) -> Result<Vec<f64>>
+fn generic_train<B: AutodiffBackend>() -> impl Fn(&HostModel, &Batch, Step, usize, usize, &Path) -> Result<Vec<f64>>
 where
     <B::InnerBackend as BackendTypes>::Device: Default,
 {
@@ -503,7 +503,7 @@ fn train_checks(ctx: &FixtureRun<'_>, name: &str, host: &HostModel, train_file: 
         }
     };
     let layers = host.config.num_layers();
-    let cpu_run = || (ctx.cpu_train)(host, &tb, ExecPlan::keep_all(layers), 1, args.train_steps, spill_dir);
+    let cpu_run = || (ctx.cpu_train)(host, &tb, Step::keep_all(layers), 1, args.train_steps, spill_dir);
     let want = match catch_panics(|| cpu_run().map_err(|e| Failure::from_error(&e))) {
         Ok(l) if l.len() == args.train_steps && l.iter().all(|x| x.is_finite()) => l,
         Ok(l) => {
