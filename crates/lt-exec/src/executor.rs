@@ -35,12 +35,14 @@ use lt_model::weights::{LayerWeights, PreparedLayer};
 use lt_optim::grad::sum_squares;
 use lt_optim::{Grad, ThreadPool};
 
-use crate::budget::DeviceBudget;
 use crate::error::ExecError;
 use crate::grads::{HostGrads, accumulate_data};
 use crate::plan::{Placement, Step, Upload};
 use crate::state::{HEAD, HeadHost, SharedModel, layer_slot};
 use crate::trace::{Stream, Trace};
+use lt_core::hardware::HardwareProfile;
+use lt_sched::cost::{CostOptions, Instance};
+use lt_sched::window::GpuPoint;
 
 type Inner<B> = <B as AutodiffBackend>::InnerBackend;
 type Dev<B> = <Inner<B> as burn::tensor::backend::BackendTypes>::Device;
@@ -300,7 +302,9 @@ fn joined<T>(rx: channel::Receiver<std::thread::Result<T>>, who: &'static str) -
 pub struct Executor<B: AutodiffBackend> {
     plan: Step,
     device: Dev<B>,
-    device_memory: ByteSize,
+    /// The machine the memory model counts for: its `gpu_memory` is the device budget, its
+    /// `compute_dtype_bytes` this backend's float size.
+    hardware: HardwareProfile,
     trace: Arc<Trace>,
     spill: Option<Arc<dyn ActivationSpill>>,
     /// Threads that help the d2h stream widen and accumulate downloaded gradients.
@@ -328,35 +332,18 @@ fn elem_bytes<B: Backend>() -> u64 {
     std::mem::size_of::<<B as burn::tensor::backend::BackendTypes>::FloatElem>() as u64
 }
 
+/// The CPU profile with `device_memory` of GPU memory and backend `B`'s float size.
+fn default_hardware<B: Backend>(device_memory: ByteSize) -> HardwareProfile {
+    let cpu = lt_core::hardware::BuiltinProfile::Cpu.profile();
+    HardwareProfile { gpu_memory: device_memory, compute_dtype_bytes: elem_bytes::<B>() as u32, ..cpu }
+}
+
 /// Spill-file bytes for one micro-batch `[b, t]` under `plan`: every NVMe boundary in the device
 /// dtype ([`elem_bytes`]), each rounded up to whole 4 MiB requests; 0 when nothing goes to NVMe.
 pub fn spill_capacity<B: Backend>(plan: &Step, cfg: &ModelConfig, b: usize, t: usize) -> u64 {
     let nvme = plan.boundaries.iter().filter(|p| **p == Placement::Nvme).count() as u64;
     let act = (b * t * cfg.hidden_size) as u64 * elem_bytes::<B>();
     nvme * act.div_ceil(4 << 20).max(1) * (4 << 20)
-}
-
-/// Estimated extra device bytes one layer's forward+backward needs beyond its input and output
-/// (autodiff intermediates, and the attention scores or the chunked delta rule's graph, whichever a
-/// layer of this model can need more of) with `elem`-byte floats. Kept deliberately simple and
-/// conservative.
-pub fn layer_working_bytes(cfg: &ModelConfig, b: usize, t: usize, elem: u64) -> u64 {
-    let tok = (b * t) as u64;
-    let h = cfg.hidden_size as u64;
-    let i = cfg.intermediate_size as u64;
-    let q = (cfg.num_heads * cfg.head_dim * 2) as u64;
-    let kv = (cfg.num_kv_heads * cfg.head_dim) as u64 * 2;
-    let lin = cfg.linear.map_or(0, |l| (l.conv_dim() + 2 * l.value_dim()) as u64);
-    let per_token = 8 * h + 4 * i + 2 * q + 2 * kv + 3 * lin;
-    let scores = (b * cfg.num_heads * t * t) as u64 * 3;
-    // The chunked gated delta rule's graph and backward (measured: `chunked_rule_peak_elems`).
-    let rule = cfg.linear.map_or(0.0, |l| l.chunked_rule_peak_elems(b, t)).ceil() as u64;
-    elem * (tok * per_token + scores.max(rule))
-}
-
-/// Bytes the head needs per loss chunk (logits, log-softmax and their gradient).
-pub fn head_chunk_bytes(cfg: &ModelConfig, chunk_tokens: usize) -> u64 {
-    4 * 3 * (chunk_tokens * cfg.vocab_size) as u64
 }
 
 impl<B: AutodiffBackend> Executor<B> {
@@ -367,7 +354,7 @@ impl<B: AutodiffBackend> Executor<B> {
         Self {
             plan,
             device,
-            device_memory,
+            hardware: default_hardware::<Inner<B>>(device_memory),
             trace: Arc::new(Trace::new()),
             spill,
             d2h_pool,
@@ -379,6 +366,19 @@ impl<B: AutodiffBackend> Executor<B> {
             optimizer_copy: lt_model::upload::upload_copy(),
             _b: PhantomData,
         }
+    }
+
+    /// Count memory for `hardware` (the plan's profile: its reserved memory and GPU memory), with this
+    /// backend's float size. The default is the CPU profile with the `device_memory` given to
+    /// [`Self::new`] as its GPU memory.
+    pub fn with_hardware(mut self, hardware: HardwareProfile) -> Self {
+        self.hardware = HardwareProfile { compute_dtype_bytes: elem_bytes::<Inner<B>>() as u32, ..hardware };
+        self
+    }
+
+    /// The profile the memory model counts for ([`Self::with_hardware`]).
+    pub fn hardware(&self) -> &HardwareProfile {
+        &self.hardware
     }
 
     /// Upload floats in `dtype` (bf16, f16 or f32) instead of the backend's own float dtype; the
@@ -451,43 +451,22 @@ impl<B: AutodiffBackend> Executor<B> {
         Some(per_stream.values().sum())
     }
 
-    /// Peak device bytes one micro-batch of shape `[b, t]` needs under this plan (the budget check
-    /// run before training; the same accounting the step enforces).
-    pub fn required_device_bytes(&self, cfg: &ModelConfig, b: usize, t: usize) -> u64 {
-        let mut budget = DeviceBudget::new(ByteSize(u64::MAX));
-        // Errors cannot happen with an unlimited budget.
-        let _ = self.account(&mut budget, cfg, b, t);
-        budget.peak()
+    /// What lt-sched's memory model counts live on the device at every point of one micro-batch of
+    /// shape `[b, t]` under this plan, on this executor's hardware profile (`window::gpu_live`: the
+    /// planner's rows, in bytes). The same function decides whether `lt plan` finds the plan feasible.
+    pub fn device_live_bytes(&self, cfg: &ModelConfig, b: usize, t: usize) -> Result<Vec<(GpuPoint, f64)>, ExecError> {
+        let mut shape = self.plan.shape;
+        shape.micro_batch_size = b;
+        let opts = CostOptions { attention: self.plan.attention, ..CostOptions::default() };
+        let inst = Instance::from_model(cfg, &self.hardware, t, &shape, opts)
+            .map_err(|e| ExecError::PlanMismatch { reason: e.to_string() })?;
+        Ok(lt_sched::window::gpu_live(&inst, &self.plan.boundaries))
     }
 
-    /// Walk the plan's allocation sequence on `budget` (no compute). Mirrors `micro_batch`.
-    fn account(&self, budget: &mut DeviceBudget, cfg: &ModelConfig, b: usize, t: usize) -> Result<(), ExecError> {
-        let we = elem_bytes::<Inner<B>>();
-        let act = (b * t * cfg.hidden_size) as u64 * we;
-        // Final norm and output projection; the embedding is gathered on the host.
-        let head = (cfg.vocab_size + 1) as u64 * cfg.hidden_size as u64 * we;
-        let layer_max = (0..cfg.num_layers()).map(|i| cfg.layer_numel(i) as u64).max().unwrap_or(0) * we;
-        budget.alloc(head, || "final norm and head weights".into())?;
-        budget.alloc(2 * layer_max, || "two layer weight buffers (double buffering)".into())?;
-        budget.alloc(layer_working_bytes(cfg, b, t, we), || "one layer's working set".into())?;
-        budget.alloc(act, || "boundary 0".into())?;
-        let l = cfg.num_layers();
-        for i in 1..=l {
-            if self.plan.boundaries[i] == Placement::Gpu {
-                budget.alloc(act, || format!("boundary {i} kept on device"))?;
-            }
-        }
-        budget.alloc(act, || "the layer output in flight".into())?;
-        let chunk = self.plan.shape.loss_chunk_tokens.min(b * t);
-        budget.alloc(head_chunk_bytes(cfg, chunk) + act, || "one loss chunk and the head's input gradient".into())?;
-        budget.free(head_chunk_bytes(cfg, chunk));
-        for (s, e) in self.plan.segments_backward() {
-            let recompute = (e - s).saturating_sub(1) as u64 * act;
-            let fetched = if self.plan.boundaries[s] == Placement::Gpu { 0 } else { act };
-            budget.alloc(recompute + fetched, || format!("recomputed inputs of layers {s}..{e}"))?;
-            budget.free(recompute + fetched + if s > 0 && self.plan.boundaries[s] == Placement::Gpu { act } else { 0 });
-        }
-        Ok(())
+    /// Peak device bytes one micro-batch of shape `[b, t]` needs under this plan: the largest of
+    /// [`Self::device_live_bytes`] (the plan's predicted peak), 0 for an empty shape.
+    pub fn required_device_bytes(&self, cfg: &ModelConfig, b: usize, t: usize) -> u64 {
+        self.device_live_bytes(cfg, b, t).map_or(0, |rows| rows.iter().map(|r| r.1).fold(0.0, f64::max).ceil() as u64)
     }
 
     /// Forward and backward of one micro-batch, adding its gradients into `grads`.
@@ -514,19 +493,19 @@ impl<B: AutodiffBackend> Executor<B> {
         let nl = cfg.num_layers();
         self.plan.validate(nl).map_err(|e| ExecError::PlanMismatch { reason: e.to_string() })?;
         let (b, t) = batch.validate(cfg.vocab_size, "batch")?;
-        let mut budget = DeviceBudget::new(self.device_memory);
-        // The whole allocation sequence is checked up front, so a plan that cannot fit fails before
-        // any compute, with the peak it would need.
-        if let Err(ExecError::OutOfDeviceMemory { budget: bud, what, .. }) = self.account(&mut budget, cfg, b, t) {
-            let needed = self.required_device_bytes(cfg, b, t);
+        // The memory model is checked up front, so a plan that cannot fit fails before any compute,
+        // with the peak it would need and where.
+        let limit = self.hardware.gpu_memory;
+        let rows = self.device_live_bytes(cfg, b, t)?;
+        let peak = rows.iter().map(|r| r.1).fold(0.0, f64::max).ceil() as u64;
+        if let Some((at, _)) = rows.iter().find(|r| r.1 > limit.as_f64()) {
             return Err(ExecError::OutOfDeviceMemory {
-                budget: bud,
-                what,
-                needed: ByteSize(needed),
-                needed_round: crate::budget::round_up(needed),
+                budget: limit,
+                what: at.to_string(),
+                needed: ByteSize(peak),
+                needed_round: crate::budget::round_up(peak),
             });
         }
-        let peak = budget.peak();
         for (i, p) in self.plan.boundaries.iter().enumerate() {
             if *p == Placement::Nvme && self.spill.is_none() {
                 return Err(ExecError::NoSpillStore { boundary: i });
@@ -551,8 +530,15 @@ impl<B: AutodiffBackend> Executor<B> {
         let sched = plan.uploads(cached.is_none());
         let acts = Arc::new(ActStore::default());
         let hidden = cfg.hidden_size;
-        let (up_tx, up_rx) = channel::bounded::<Result<Handoff<Inner<B>>, ExecError>>(1);
-        let (down_tx, down_rx) = channel::unbounded::<Down>();
+        // A rendezvous: the h2d thread binds the next transfer while compute runs the current one and
+        // hands it over when compute asks, so at most two layers' weights are on the device (the double
+        // buffering lt-sched's memory model counts). A one-slot queue would let a third one be bound
+        // while the second waits in it (measured on CPU: `tests/memory_truth.rs`).
+        let (up_tx, up_rx) = channel::bounded::<Result<Handoff<Inner<B>>, ExecError>>(0);
+        // Also a rendezvous: compute hands a download over when the d2h thread has finished the previous
+        // one, so at most two layers' gradients exist on the device (the one being produced and the
+        // one being downloaded: lt-sched's two gradient buffers). Waiting for it is exposed d2h time.
+        let (down_tx, down_rx) = channel::bounded::<Down>(0);
         let Some(streams) = self.streams.as_ref() else { return Err(ExecError::Worker("streams")) };
         let mode = streams.mode;
         let float = self.upload_dtype;
@@ -729,6 +715,13 @@ impl<B: AutodiffBackend> Executor<B> {
                 })
             };
             let fetch = |t| Fetch::new(t, mode);
+            let send_down = |what: &str, d: Down| match down_tx.try_send(d) {
+                Err(channel::TrySendError::Full(d)) => {
+                    // A closed channel means the d2h thread failed; its error is reported when it is joined.
+                    let _ = trace.wait(Stream::D2h, step, format!("wait d2h ({what})"), || down_tx.send(d));
+                }
+                Ok(()) | Err(channel::TrySendError::Disconnected(_)) => {}
+            };
             let out_of_order = || ExecError::Worker("h2d (schedule out of order)");
             let layer = |i: usize| -> Result<LayerWeights<Inner<B>>, ExecError> {
                 match recv(&format!("upload L{i}"))? {
@@ -752,7 +745,7 @@ impl<B: AutodiffBackend> Executor<B> {
                         kept.insert(i + 1, x.clone());
                     }
                     Placement::Host | Placement::Nvme => {
-                        let _ = down_tx.send(Down::Offload(i + 1, Fetch::new(x.clone(), mode)));
+                        send_down("offload", Down::Offload(i + 1, Fetch::new(x.clone(), mode)));
                     }
                     Placement::Recompute => {}
                 }
@@ -768,7 +761,7 @@ impl<B: AutodiffBackend> Executor<B> {
             let (loss, mut g, gnorm, gout) = trace.span(Stream::Compute, step, "head+loss", || {
                 head_backward::<B>(cfg, &head, x, &batch.labels, denom, plan.shape.loss_chunk_tokens)
             });
-            let _ = down_tx.send(Down::Head { norm: fetch(gnorm), out: Fetch::new(gout, mode) });
+            send_down("head gradient", Down::Head { norm: fetch(gnorm), out: Fetch::new(gout, mode) });
             // The step's last head op is done: free the head before the last backward.
             let head = if last { None } else { Some(head) };
             for (s, e) in plan.segments_backward() {
@@ -795,11 +788,11 @@ impl<B: AutodiffBackend> Executor<B> {
                     let lg = trace.span(Stream::Compute, step, format!("bwd L{j}"), || {
                         layer_backward::<B>(cfg, j, &w, xj, g.clone(), &ctx_ad)
                     });
-                    let _ = down_tx.send(Down::Layer(j, lg.params.into_iter().map(|(_, p)| fetch(p)).collect()));
+                    send_down("gradients", Down::Layer(j, lg.params.into_iter().map(|(_, p)| fetch(p)).collect()));
                     g = lg.input;
                 }
             }
-            let _ = down_tx.send(Down::Embed(Fetch::new(g, mode)));
+            send_down("dx0", Down::Embed(Fetch::new(g, mode)));
             Ok((loss, head))
         };
         let result = run();

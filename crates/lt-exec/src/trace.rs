@@ -47,6 +47,12 @@ impl Trace {
         Self { t0: Instant::now(), events: Mutex::new(Vec::new()) }
     }
 
+    /// Microseconds since the trace began, on the clock of [`Event::start_us`] (to place an outside
+    /// observation, such as an allocator's peak, on the timeline).
+    pub fn micros_since_start(&self, at: Instant) -> f64 {
+        at.saturating_duration_since(self.t0).as_secs_f64() * 1e6
+    }
+
     fn push(&self, e: Event) {
         if let Ok(mut v) = self.events.lock() {
             // Keep the last KEEP_STEPS steps: a long run must not grow the trace (and the per-step

@@ -1,9 +1,9 @@
 //! What the chunked gated delta rule really allocates under autodiff, measured with a counting
 //! global allocator on ndarray (whose tensors all live on the heap): the bytes its graph holds from
 //! the end of the forward to the backward, and the peak of forward plus backward. lt-sched's cost
-//! model and the executor's device budget count linear-attention layers with
-//! `lt_core::config::LinearAttnConfig::chunked_rule_bytes`; this test pins that formula to the
-//! measurement: never below it, at most 1.5x above.
+//! model uses `lt_core::config::LinearAttnConfig::chunked_rule_saved_elems` as one term of a
+//! linear-attention layer's fitted working set (`layer_memory.rs`); this test pins that formula to
+//! the measurement: never below it, at most 1.5x above.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::alloc::{GlobalAlloc, Layout, System};

@@ -17,6 +17,15 @@ pub enum DeviceChoice {
 }
 
 impl DeviceChoice {
+    /// Bytes of the executor's float on this device (f32 on ndarray and wgpu, bf16 on CUDA): what the
+    /// planner must count activations and uploads in, so that its plan is the step the executor runs.
+    pub fn float_bytes(self) -> u32 {
+        match self {
+            DeviceChoice::Cpu | DeviceChoice::Wgpu => 4,
+            DeviceChoice::Cuda => 2,
+        }
+    }
+
     /// The name used on the command line and in reports.
     pub fn name(self) -> &'static str {
         match self {

@@ -56,7 +56,9 @@ impl ChosenPlan {
 }
 
 fn choose(s: &RunSettings, cfg: &ModelConfig) -> Result<ChosenPlan> {
-    let hw = s.hardware_profile()?;
+    let mut hw = s.hardware_profile()?;
+    // Plan in the float the executor runs (an `--hardware h800` profile on `--device cpu` runs f32).
+    hw.compute_dtype_bytes = s.device.float_bytes();
     let layers = cfg.num_layers();
     // Batch, seq, optimizer state and mode were taken from the file, or checked against it, when the
     // settings were resolved.
@@ -218,7 +220,10 @@ pub fn executor_for<B: AutodiffBackend>(
     } else {
         (None, None)
     };
-    let executor = Executor::<B>::new(chosen.plan.clone(), chosen.hardware.gpu_memory, device, spill);
+    // The memory model counts for the plan's own profile (its reserved memory included), so the
+    // executor refuses exactly what the planner would not plan.
+    let executor = Executor::<B>::new(chosen.plan.clone(), chosen.hardware.gpu_memory, device, spill)
+        .with_hardware(chosen.hardware.clone());
     let need = executor.required_device_bytes(cfg, micro, seq_len);
     if need > chosen.hardware.gpu_memory.0 {
         return Err(BudgetTooSmall {

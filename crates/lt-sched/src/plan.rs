@@ -189,7 +189,8 @@ pub struct Predicted {
     pub hardware_tflops: f64,
     /// Time the compute stream waits on each other stream per step, seconds (predicted).
     pub exposed_seconds: StreamTimes,
-    /// Peak GPU bytes (predicted).
+    /// Peak GPU bytes of the memory model (`window::gpu_peak`, the function lt-exec checks its budget
+    /// with), predicted.
     pub peak_gpu_bytes: u64,
     /// Peak host bytes (predicted).
     pub peak_host_bytes: u64,

@@ -291,7 +291,7 @@ pub fn plan(model: &ModelConfig, hw: &HardwareProfile, req: &PlanRequest) -> Res
     };
     let model_step = f.path_cost(&placements);
     let sim = simulate(&inst, &placements, best.mode, req.trace);
-    warnings.extend(validate_replay(&inst, &sim, model_step));
+    warnings.extend(validate_replay(&inst, &sim, model_step, &placements));
     let solve_seconds = started.elapsed().as_secs_f64();
     let plan = build_plan(
         model,
@@ -309,8 +309,17 @@ pub fn plan(model: &ModelConfig, hw: &HardwareProfile, req: &PlanRequest) -> Res
 
 /// Check a replay against the model's objective and the capacities; returns warnings (none when
 /// everything agrees).
-pub fn validate_replay(inst: &Instance, sim: &SimReport, model_step: f64) -> Vec<String> {
+pub fn validate_replay(inst: &Instance, sim: &SimReport, model_step: f64, placements: &[Placement]) -> Vec<String> {
     let mut w = Vec::new();
+    // The replay's time-resolved GPU use never exceeds the memory model's rows (which are what the
+    // plan reports as its peak and what the executor checks).
+    let (at, rows) = window::gpu_peak(inst, placements);
+    if sim.peak_gpu_bytes > rows * (1.0 + 1e-9) {
+        w.push(format!(
+            "simulator peak GPU memory {:.0} B exceeds the memory model's {rows:.0} B (at {at})",
+            sim.peak_gpu_bytes
+        ));
+    }
     if sim.step_seconds > model_step * (1.0 + 1e-9) || sim.step_seconds < model_step * (1.0 - SIM_TOLERANCE) {
         w.push(format!(
             "simulator step {:.6} s disagrees with the MILP objective {:.6} s beyond the {:.0}% tolerance",
@@ -345,6 +354,7 @@ fn build_plan(
 ) -> Plan {
     let step = sim.step_seconds.max(f64::MIN_POSITIVE);
     let executed = inst.executed_flops_per_step(&recomputed_layers(&placements));
+    let peak_gpu = window::gpu_peak(inst, &placements).1;
     Plan {
         version: PLAN_VERSION,
         model: PlanModel::of(model),
@@ -360,7 +370,7 @@ fn build_plan(
             tflops: inst.model_flops_per_step() / step / 1e12,
             hardware_tflops: executed / step / 1e12,
             exposed_seconds: sim.exposed,
-            peak_gpu_bytes: sim.peak_gpu_bytes.ceil() as u64,
+            peak_gpu_bytes: peak_gpu.ceil() as u64,
             peak_host_bytes: sim.peak_host_bytes.ceil() as u64,
             peak_nvme_bytes: sim.peak_nvme_bytes.ceil() as u64,
         },
@@ -458,7 +468,7 @@ pub fn baseline(
         }
         let model_step = window::step_time(&inst, &step.boundaries, overlap);
         let sim = simulate(&inst, &step.boundaries, overlap, req.trace);
-        let warnings = validate_replay(&inst, &sim, model_step);
+        let warnings = validate_replay(&inst, &sim, model_step, &step.boundaries);
         let info = SolverInfo {
             method: SolveMethod::Fixed,
             solve_seconds: started.elapsed().as_secs_f64(),
@@ -525,7 +535,7 @@ pub fn max_batch(
     Ok(Some(lo))
 }
 
-/// Smallest memory (bisected to 1 MiB) with which one sequence per micro-batch fits, changing only the
+/// Smallest memory (bisected to 1 KiB, or 1 ppm) with which some micro-batch fits, changing only the
 /// GPU (`gpu = true`) or only the host memory of `hw`. `None` when no size works.
 fn min_memory(model: &ModelConfig, hw: &HardwareProfile, req: &PlanRequest, gpu: bool) -> Option<u64> {
     let with = |bytes: u64| {
@@ -535,11 +545,16 @@ fn min_memory(model: &ModelConfig, hw: &HardwareProfile, req: &PlanRequest, gpu:
         } else {
             h.host_memory.0 = bytes;
         }
-        let tokens = req.seq_len;
-        let chunk = req.chunks(tokens).into_iter().min().unwrap_or(tokens);
-        let cfg = exec(1, req.batch_size.max(1), chunk, OptimizerOverlap::Serial, false);
-        Instance::from_model(model, &h, req.seq_len, &cfg, req.cost).ok().is_some_and(|inst| {
-            dp::feasible(&Formulation::new(&inst, OptimizerOverlap::Serial, req.max_segment_len)).is_some()
+        // Any micro-batch the planner may choose, each with its smallest loss chunk (the same space
+        // `plan` searches; with accumulation the head stays resident, so one sequence per micro-batch
+        // is not always the smallest).
+        req.micro_batches().into_iter().any(|mb| {
+            let tokens = mb * req.seq_len;
+            let chunk = req.chunks(tokens).into_iter().min().unwrap_or(tokens);
+            let cfg = exec(mb, (req.batch_size / mb).max(1), chunk, OptimizerOverlap::Serial, false);
+            Instance::from_model(model, &h, req.seq_len, &cfg, req.cost).ok().is_some_and(|inst| {
+                dp::feasible(&Formulation::new(&inst, OptimizerOverlap::Serial, req.max_segment_len)).is_some()
+            })
         })
     };
     // 1 PB is "unbounded" for any model we plan.
@@ -548,7 +563,9 @@ fn min_memory(model: &ModelConfig, hw: &HardwareProfile, req: &PlanRequest, gpu:
         return None;
     }
     let mut lo: u64 = if gpu { hw.gpu_reserved.0 } else { 0 };
-    while hi - lo > 1 << 20 {
+    // To 1 KiB, or one part in a million of the answer when that is coarser: the true minimum over
+    // the searched space, at the precision a `--gpu-memory` flag takes.
+    while hi - lo > (hi >> 20).max(1 << 10) {
         let mid = lo + (hi - lo) / 2;
         if with(mid) { hi = mid } else { lo = mid }
     }
@@ -641,11 +658,11 @@ mod tests {
         let e = plan(&m, &hw, &req).unwrap_err();
         let SchedError::Infeasible { min_gpu_memory: Some(g), .. } = e else { panic!("{e}") };
         assert!(g > hw.gpu_memory.0);
-        // The answer is tight: with it a plan exists, 1 MiB less does not hold one sequence.
+        // The answer is tight: with it a plan exists, two bisection steps less (2 ppm) none does.
         hw.gpu_memory.0 = g;
         assert!(plan(&m, &hw, &req).is_ok());
-        hw.gpu_memory.0 = g - (1 << 20);
-        assert!(max_batch(&m, &hw, &req, Policy::Auto).unwrap().is_none());
+        hw.gpu_memory.0 = g - (g >> 19);
+        assert!(plan(&m, &hw, &req).is_err());
     }
 
     #[test]

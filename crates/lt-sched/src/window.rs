@@ -393,35 +393,94 @@ fn slots(bytes: f64, slot: f64) -> i64 {
     (bytes / slot).floor().clamp(-1.0, 1e12) as i64
 }
 
+/// Head weights that stay on the GPU through the whole step: with gradient accumulation the head is
+/// uploaded once per step (during the first micro-batch's last forward layer) and lives to the step's
+/// last head op, through every op of the earlier micro-batches. Alone, they live only from the last
+/// forward layer to the head ([`forward_need`]).
+fn resident_head(inst: &Instance) -> f64 {
+    if inst.grad_accum_steps > 1 { inst.head.weight_bytes } else { 0.0 }
+}
+
+/// Working set of backward row `k`: `B_k`'s, or that of the recompute producing boundary `k`.
+fn row_workspace(inst: &Instance, k: usize) -> f64 {
+    let ws_rec = if k >= 1 { inst.layers[k - 1].fwd_workspace_bytes } else { 0.0 };
+    inst.layers[k].bwd_workspace_bytes.max(ws_rec)
+}
+
+/// What the forward row needs beyond the fixed memory and the GPU-kept boundaries: the forward of
+/// layer `k` holds its input and output plus its working set (plus the head weights being prefetched
+/// during the last layer); the head holds boundary L plus its working set.
+fn forward_need(inst: &Instance) -> f64 {
+    let a = inst.boundary_bytes;
+    let resident = resident_head(inst);
+    let fwd_ws = inst.layers.iter().map(|x| x.fwd_workspace_bytes).fold(0.0, f64::max);
+    let last_fwd = inst.layers.last().map_or(0.0, |x| x.fwd_workspace_bytes);
+    (fwd_ws + 2.0 * a)
+        .max(last_fwd + 2.0 * a + inst.head.weight_bytes - resident)
+        .max(inst.head.workspace_bytes - resident + a)
+}
+
+/// A point of the step at which the memory model counts what is live on the GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum GpuPoint {
+    /// The backward of layer `k`, or the recompute producing boundary `k`.
+    Backward(usize),
+    /// The end of forward and the head.
+    Forward,
+}
+
+impl std::fmt::Display for GpuPoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            GpuPoint::Backward(k) => write!(f, "the backward of layer {k}"),
+            GpuPoint::Forward => write!(f, "the end of forward and the head"),
+        }
+    }
+}
+
+/// The memory model, in bytes: what is live on the GPU at every point of one micro-batch of
+/// `placements` — the static buffers and one prefetch slot, the resident head, the op's working set,
+/// the GPU-kept boundaries and the segment's live boundaries. [`MemoryModel::check`] compares the same
+/// sums with the capacity in whole slots; lt-exec checks its device budget with [`gpu_peak`] and the
+/// plan's predicted peak is [`gpu_peak`]. Placements must satisfy [`crate::plan::check_boundaries`].
+pub fn gpu_live(inst: &Instance, placements: &[Placement]) -> Vec<(GpuPoint, f64)> {
+    let a = inst.boundary_bytes;
+    let l = inst.num_layers();
+    let base = inst.gpu_fixed_bytes() + resident_head(inst);
+    let stage = (inst.head.stage_bytes / a).ceil().max(0.0) * a;
+    let mut out = Vec::with_capacity(l + 1);
+    let mut gpu_below = 0.0;
+    for (s, e) in segments(placements) {
+        let first = MemoryModel::top_first_position(s, l);
+        for k in s..e {
+            let staged = if e == l && k == first { stage } else { 0.0 };
+            let live = base + row_workspace(inst, k) + (gpu_below + (k - s + 1) as f64) * a + staged;
+            out.push((GpuPoint::Backward(k), live));
+        }
+        if placements[s] == Placement::Gpu {
+            gpu_below += 1.0;
+        }
+    }
+    out.push((GpuPoint::Forward, base + forward_need(inst) + gpu_below * a));
+    out
+}
+
+/// The largest of [`gpu_live`]: the predicted GPU peak of one micro-batch, and where it occurs.
+pub fn gpu_peak(inst: &Instance, placements: &[Placement]) -> (GpuPoint, f64) {
+    gpu_live(inst, placements).into_iter().fold((GpuPoint::Forward, 0.0), |m, x| if x.1 > m.1 { x } else { m })
+}
+
 impl MemoryModel {
-    /// The rows of `inst`.
+    /// The rows of `inst`: [`gpu_live`]'s sums, solved for the number of boundary slots that fit.
     pub fn new(inst: &Instance) -> Self {
         let a = inst.boundary_bytes;
         let l = inst.num_layers();
-        // With gradient accumulation the head's weights stay on the device from the first
-        // micro-batch's last forward layer to the step's last head op, through every op of the earlier
-        // micro-batches (uploaded once per step): count them as fixed. Alone, they live only from the
-        // last forward layer to the head, as below.
-        let resident_head = if inst.grad_accum_steps > 1 { inst.head.weight_bytes } else { 0.0 };
-        let free = inst.gpu_capacity - inst.gpu_fixed_bytes() - resident_head;
-        let cap_row = (0..l)
-            .map(|k| {
-                let ws_rec = if k >= 1 { inst.layers[k - 1].fwd_workspace_bytes } else { 0.0 };
-                let ws = inst.layers[k].bwd_workspace_bytes.max(ws_rec);
-                slots(free - ws, a)
-            })
-            .collect();
-        let fwd_ws = inst.layers.iter().map(|x| x.fwd_workspace_bytes).fold(0.0, f64::max);
-        let last_fwd = inst.layers.last().map_or(0.0, |x| x.fwd_workspace_bytes);
-        // Forward of layer k: its input and output plus its working set (plus the head weights being
-        // prefetched during the last layer); the head: boundary L plus its working set.
-        let need = (fwd_ws + 2.0 * a)
-            .max(last_fwd + 2.0 * a + inst.head.weight_bytes - resident_head)
-            .max(inst.head.workspace_bytes - resident_head + a);
+        let free = inst.gpu_capacity - inst.gpu_fixed_bytes() - resident_head(inst);
+        let cap_row = (0..l).map(|k| slots(free - row_workspace(inst, k), a)).collect();
         MemoryModel {
             slot_bytes: a,
             cap_row,
-            cap_fwd: slots(free - need, a),
+            cap_fwd: slots(free - forward_need(inst), a),
             head_stage_slots: (inst.head.stage_bytes / a).ceil().max(0.0) as i64,
             cap_host: slots(inst.host_capacity - inst.host_static_bytes, a),
             cap_nvme: slots(inst.nvme_capacity, a),
@@ -702,5 +761,33 @@ pub(crate) mod tests {
         assert_eq!(mem.cap_fwd, 1);
         assert_eq!(mem.check(&[Gpu, Host, Recompute, Host, Gpu]), Ok(()));
         assert_eq!(mem.check(&[Gpu, Gpu, Recompute, Host, Gpu]), Err(MemoryViolation::GpuForward));
+    }
+
+    proptest::proptest! {
+        /// The slot rows and the byte form are one memory model: a plan passes the GPU rows exactly
+        /// when every point of [`gpu_live`] fits the capacity.
+        #[test]
+        fn slot_rows_and_live_bytes_agree(l in 1usize..9, seed in 0u64..1000, k in 1usize..3, code in 0u64..u64::MAX, cap in 0.0f64..1.0) {
+            let mut inst = synthetic(l, seed, k);
+            let lo = inst.gpu_fixed_bytes();
+            let hi = gpu_peak(&inst, &vec![Placement::Gpu; l + 1]).1 * 1.2;
+            inst.gpu_capacity = lo + cap * (hi - lo);
+            inst.host_capacity = f64::INFINITY;
+            inst.nvme_capacity = f64::INFINITY;
+            let mut p: Vec<Placement> = (0..=l).map(|i| match (code >> (2 * i)) & 3 {
+                0 => Placement::Gpu, 1 => Placement::Host, 2 => Placement::Nvme, _ => Placement::Recompute,
+            }).collect();
+            p[0] = Placement::Gpu;
+            p[l] = Placement::Gpu;
+            let rows_ok = !matches!(
+                MemoryModel::new(&inst).check(&p),
+                Err(MemoryViolation::GpuBackward(_) | MemoryViolation::GpuForward)
+            );
+            let peak = gpu_peak(&inst, &p).1;
+            // Away from the exact boundary (floating-point slot division) the two must agree.
+            if (peak - inst.gpu_capacity).abs() > 1e-6 * peak {
+                proptest::prop_assert_eq!(rows_ok, peak <= inst.gpu_capacity, "peak {} cap {}", peak, inst.gpu_capacity);
+            }
+        }
     }
 }
