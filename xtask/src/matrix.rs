@@ -45,7 +45,7 @@ fn default_max_batch_limit() -> usize {
 pub struct MatrixFile {
     /// Matrix name: names the JSON and SVG outputs.
     pub name: String,
-    /// One line saying what the matrix reproduces.
+    /// One line saying what the matrix compares with.
     #[serde(default)]
     pub description: String,
     /// Hardware profile: a built-in name (h800, rtx3090, h200, cpu) or a TOML file (workspace-relative).

@@ -1000,8 +1000,8 @@ of `{}` is {})",
                 "efficiency",
                 format!("{e:?}"),
                 format!(
-                    "measured: one decoder layer (hidden {}, {} tokens) forward {:.3} ms + backward {:.3} ms, fitted so \
-lt-sched's cost model reproduces it at the measured peak{}",
+                    "measured: one decoder layer (hidden {}, {} tokens) forward {:.3} ms + backward {:.3} ms; efficiency \
+fitted to that time at the measured peak{}",
                     m.layer_hidden.unwrap_or(0),
                     m.layer_tokens.unwrap_or(0),
                     m.layer_fwd_seconds.unwrap_or(0.0) * 1e3,
