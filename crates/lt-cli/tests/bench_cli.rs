@@ -80,7 +80,7 @@ fn bench_train_reports_consistent_throughput() {
     assert_eq!(v["seq_len"], 16);
     assert!(v["micro_batch_size"].as_u64().is_some_and(|m| (1..=2).contains(&m)));
     assert_eq!(v["step_seconds_all"].as_array().map(Vec::len), Some(1));
-    assert_eq!(v["peak_device_source"], "budget-accounting");
+    assert_eq!(v["peak_device_source"], "predicted: lt-sched memory model");
     for key in ["params", "peak_device_bytes", "peak_host_bytes", "predicted_step_seconds", "tflops_full"] {
         assert!(f(&v, key) > 0.0, "{key} in {v}");
     }

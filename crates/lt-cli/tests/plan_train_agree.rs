@@ -57,8 +57,7 @@ fn lt_plan_feasible_iff_lt_train_runs() {
             let err = String::from_utf8_lossy(&trained.stderr);
             eprintln!(
                 "{family} --gpu-memory {budget} (min {min}): lt plan {}, lt train {}",
-                planned.status,
-                trained.status
+                planned.status, trained.status
             );
             assert_eq!(
                 planned.status.success(),

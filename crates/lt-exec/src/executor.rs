@@ -5,10 +5,15 @@
 //! - **h2d** walks the plan's upload schedule ([`Step::uploads`]: the embedded tokens, gathered
 //!   from the host embedding; the forward layers; the head once per step, during the last forward
 //!   layer; then per backward segment the segment's start boundary if it lives off-device, the
-//!   recompute layers and the backward layers) and hands each item over a channel of capacity 1: one
-//!   buffer in use, one in flight (double buffering).
-//! - **d2h** receives activation offloads (host tier or NVMe) and weight gradients, converts them to
-//!   fp32 host buffers and accumulates them, computing the sum of squares in the same pass.
+//!   recompute layers and the backward layers) and hands each item over a rendezvous channel: one
+//!   buffer in use, the next one bound (double buffering, as lt-sched's memory model counts it).
+//! - **d2h** receives activation offloads (host tier or NVMe) and weight gradients over a rendezvous
+//!   (one set being produced, one being downloaded), converts them to fp32 host buffers and
+//!   accumulates them, computing the sum of squares in the same pass.
+//!
+//! Before any compute, the micro-batch is checked against lt-sched's memory model
+//! (`lt_sched::window::gpu_live`, the function the planner plans with) on the executor's hardware
+//! profile: a plan the planner finds feasible runs, and one it does not is refused.
 //! - **compute** (the calling thread) runs layers; every time it blocks on another stream, the wait is
 //!   recorded as that stream's measured exposure.
 //!
@@ -192,7 +197,8 @@ pub struct MicroBatchResult {
     pub loss: f64,
     /// Sum of squares of the accumulated gradients, when this was the step's last micro-batch.
     pub grad_sq_sum: Option<f64>,
-    /// Peak of the device budget during the micro-batch.
+    /// The predicted device peak of the micro-batch (lt-sched's memory model, what the budget is
+    /// checked against; a prediction, not a measurement).
     pub peak_device_bytes: u64,
 }
 

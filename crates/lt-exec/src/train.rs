@@ -88,7 +88,7 @@ pub struct StepMetrics {
     pub step_seconds: f64,
     /// Whether the update was skipped (non-finite norm).
     pub skipped: bool,
-    /// Peak of the device budget.
+    /// The predicted device peak of the step (lt-sched's memory model; not a measurement).
     pub peak_device_bytes: u64,
     /// Measured per-stream timing (busy, exposed).
     pub timing: StepTiming,

@@ -6,42 +6,14 @@
 //! the measurement: never below it, at most 1.5x above.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicIsize, Ordering};
+mod counting;
 
 use burn::tensor::{Distribution, Tensor};
 use lt_model::delta::gated_delta_rule_chunked;
 use lt_model::{CpuAutodiff, CpuBackend};
 
-struct Counting;
-
-static CUR: AtomicIsize = AtomicIsize::new(0);
-static PEAK: AtomicIsize = AtomicIsize::new(0);
-
-// SAFETY: forwards every call to the system allocator unchanged; only counts sizes.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        // SAFETY: same contract as the caller's.
-        let p = unsafe { System.alloc(l) };
-        if !p.is_null() {
-            let now = CUR.fetch_add(l.size() as isize, Ordering::Relaxed) + l.size() as isize;
-            PEAK.fetch_max(now, Ordering::Relaxed);
-        }
-        p
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        CUR.fetch_sub(l.size() as isize, Ordering::Relaxed);
-        // SAFETY: same contract as the caller's.
-        unsafe { System.dealloc(p, l) }
-    }
-}
-
 #[global_allocator]
-static A: Counting = Counting;
-
-/// One measurement at a time: the counters are process-wide.
-static SERIAL: Mutex<()> = Mutex::new(());
+static A: counting::Counting = counting::Counting;
 
 struct Measured {
     held_after_forward: f64,
@@ -49,7 +21,7 @@ struct Measured {
 }
 
 fn measure(b: usize, h: usize, t: usize, dk: usize, dv: usize) -> Measured {
-    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _g = counting::SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let device = Default::default();
     let rnd4 = |s: [usize; 4]| -> Tensor<CpuAutodiff, 4> {
         Tensor::<CpuBackend, 4>::random(s, Distribution::Normal(0.0, 1.0), &device).pipe_ad()
@@ -62,12 +34,11 @@ fn measure(b: usize, h: usize, t: usize, dk: usize, dv: usize) -> Measured {
         Tensor::<CpuBackend, 3>::random([b, h, t], Distribution::Uniform(0.0, 1.0), &device).pipe_ad();
     // Normalised inputs as the layer feeds them: part of the layer's saved tensors, not the rule's.
     let (qn, kn) = (l2(q.clone()) / (dk as f32).sqrt(), l2(k.clone()));
-    let base = CUR.load(Ordering::Relaxed);
-    PEAK.store(base, Ordering::Relaxed);
+    let base = counting::start();
     let (o, s) = gated_delta_rule_chunked(qn, kn, v.clone(), g.clone(), beta.clone(), None, None);
-    let held = CUR.load(Ordering::Relaxed) - base;
+    let held = counting::live() - base;
     let grads = (o.sum() + s.sum()).backward();
-    let peak = PEAK.load(Ordering::Relaxed) - base;
+    let peak = counting::peak_above(base);
     drop(grads);
     Measured { held_after_forward: held as f64, peak: peak as f64 }
 }

@@ -9,9 +9,7 @@
 //! above), is asserted by lt-exec's `tests/memory_truth.rs`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicIsize, Ordering};
+mod counting;
 
 use burn::tensor::{Distribution, Tensor};
 use lt_core::ModelConfig;
@@ -23,34 +21,8 @@ use lt_model::{CpuAutodiff, CpuBackend};
 use lt_sched::cost::{AttentionKernel, CostOptions, ExecConfig, Instance};
 use lt_sched::plan::OptimizerOverlap;
 
-struct Counting;
-
-static CUR: AtomicIsize = AtomicIsize::new(0);
-static PEAK: AtomicIsize = AtomicIsize::new(0);
-
-// SAFETY: forwards every call to the system allocator unchanged; only counts sizes.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        // SAFETY: same contract as the caller's.
-        let p = unsafe { System.alloc(l) };
-        if !p.is_null() {
-            let now = CUR.fetch_add(l.size() as isize, Ordering::Relaxed) + l.size() as isize;
-            PEAK.fetch_max(now, Ordering::Relaxed);
-        }
-        p
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        CUR.fetch_sub(l.size() as isize, Ordering::Relaxed);
-        // SAFETY: same contract as the caller's.
-        unsafe { System.dealloc(p, l) }
-    }
-}
-
 #[global_allocator]
-static A: Counting = Counting;
-
-/// One measurement at a time: the counters are process-wide.
-static SERIAL: Mutex<()> = Mutex::new(());
+static A: counting::Counting = counting::Counting;
 
 fn config(extra: serde_json::Value) -> ModelConfig {
     let mut j = serde_json::json!({
@@ -79,7 +51,7 @@ fn hybrid(extra: serde_json::Value) -> ModelConfig {
 
 /// Peak bytes above the live inputs of layer `i`'s backward and of its plain forward, `[b, t]`.
 fn measure(cfg: &ModelConfig, i: usize, b: usize, t: usize) -> (f64, f64) {
-    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _g = counting::SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let device = Default::default();
     let host = HostModel::random_init(cfg.clone(), 3);
     let model = DeviceModel::<CpuBackend>::from_host(&host, &device);
@@ -89,15 +61,13 @@ fn measure(cfg: &ModelConfig, i: usize, b: usize, t: usize) -> (f64, f64) {
     let dy = Tensor::<CpuBackend, 3>::random([b, t, h], Distribution::Normal(0.0, 1.0), &device);
     let ctx = SeqCtx::<CpuBackend>::causal(cfg, b, t, &device);
     let ctx_ad = SeqCtx::<CpuAutodiff>::lift(&ctx);
-    let base = CUR.load(Ordering::SeqCst);
-    PEAK.store(base, Ordering::SeqCst);
+    let base = counting::start();
     let g = layer_backward::<CpuAutodiff>(cfg, i, w, x.clone(), dy, &ctx_ad);
-    let bwd = PEAK.load(Ordering::SeqCst) - base;
+    let bwd = counting::peak_above(base);
     drop(g);
-    let base = CUR.load(Ordering::SeqCst);
-    PEAK.store(base, Ordering::SeqCst);
+    let base = counting::start();
     let y = layer_forward(cfg, w, x, &ctx);
-    let fwd = PEAK.load(Ordering::SeqCst) - base;
+    let fwd = counting::peak_above(base);
     drop(y);
     (bwd as f64, fwd as f64)
 }

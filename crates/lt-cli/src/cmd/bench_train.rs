@@ -557,8 +557,8 @@ fn figures(
         (DeviceChoice::Cuda, Some(p)) => {
             (p, "nvidia-smi memory.used sampled every 50 ms (whole GPU: CUDA context and allocator pools)")
         }
-        (DeviceChoice::Cuda, None) => (budget_peak, "budget-accounting (nvidia-smi unavailable)"),
-        (DeviceChoice::Cpu | DeviceChoice::Wgpu, _) => (budget_peak, "budget-accounting"),
+        (DeviceChoice::Cuda, None) => (budget_peak, "predicted: lt-sched memory model (nvidia-smi unavailable)"),
+        (DeviceChoice::Cpu | DeviceChoice::Wgpu, _) => (budget_peak, "predicted: lt-sched memory model"),
     };
     let exposed_mean = |f: fn(&lt_exec::trace::PerStream) -> f64| {
         mean(&timed.iter().map(|m| f(&m.timing.exposed)).collect::<Vec<_>>())
