@@ -41,7 +41,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for _ in 0..10 {
         let m = trainer.step(&micro)?;
         println!(
-            "step {:>2}: loss {:.4}, exposed h2d {:.4} s, peak device {}",
+            "step {:>2}: loss {:.4}, exposed h2d {:.4} s, predicted peak device {}",
             m.step,
             m.loss,
             m.timing.exposed.h2d,

@@ -34,7 +34,7 @@ pub struct RunReport {
     pub seconds: f64,
     /// `(step, loss)` of every step this process trained.
     pub losses: Vec<(u64, f64)>,
-    /// The last step's measurements (exposed transfer time, peak device bytes, ...).
+    /// The last step's figures (measured exposed transfer time; the predicted device peak, ...).
     pub last_step: Option<StepMetrics>,
     /// The planner's predicted step time, seconds, when a plan was solved or loaded.
     pub predicted_step_seconds: Option<f64>,

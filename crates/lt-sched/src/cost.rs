@@ -420,7 +420,10 @@ fn layer_shape(m: &ModelConfig, i: usize, b: f64, t: f64, d: f64, attention: Att
                 AttentionKernel::Flash => 0.0,
             };
             let qk_norm = if m.qk_norm { ad_kv(attn_dim, kv) } else { 0.0 };
-            let repeated = if m.num_kv_heads != m.num_heads { attn_dim } else { 0.0 };
+            // `repeat_kv` materialises K and V per query head under GQA/MQA; with as many KV heads as
+            // query heads it copies nothing, but the measured MHA steps still hold about half as much
+            // more (`tests/memory_truth.rs`' random configs: 0.98x without it).
+            let repeated = if m.num_kv_heads != m.num_heads { attn_dim } else { 0.5 * attn_dim };
             let gated = if m.attn_output_gate { attn_dim } else { 0.0 };
             let per_token = 5.8 * h
                 + 2.14 * q_out
