@@ -50,7 +50,7 @@ fn lt_plan_feasible_iff_lt_train_runs() {
         let min = v["min_gpu_memory_bytes"].as_u64().unwrap();
         let message = v["error"].as_str().unwrap();
         assert!(message.contains("KiB") || message.contains("MiB"), "a small size in small units: {message}");
-        for budget in [min / 2, min - 4096, min - 1024, min, min + 4096, 2 * min] {
+        for budget in [min / 2, min - 4096, min - 1, min, min + 1, min + 4096, 2 * min] {
             let planned = plan(family, budget);
             let out = dir.path().join(format!("{family}-{budget}"));
             let trained = train(family, budget, &out);

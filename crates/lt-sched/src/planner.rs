@@ -535,7 +535,7 @@ pub fn max_batch(
     Ok(Some(lo))
 }
 
-/// Smallest memory (bisected to 1 KiB, or 1 ppm) with which some micro-batch fits, changing only the
+/// Smallest memory (bisected to the byte) with which some micro-batch fits, changing only the
 /// GPU (`gpu = true`) or only the host memory of `hw`. `None` when no size works.
 fn min_memory(model: &ModelConfig, hw: &HardwareProfile, req: &PlanRequest, gpu: bool) -> Option<u64> {
     let with = |bytes: u64| {
@@ -563,9 +563,8 @@ fn min_memory(model: &ModelConfig, hw: &HardwareProfile, req: &PlanRequest, gpu:
         return None;
     }
     let mut lo: u64 = if gpu { hw.gpu_reserved.0 } else { 0 };
-    // To 1 KiB, or one part in a million of the answer when that is coarser: the true minimum over
-    // the searched space, at the precision a `--gpu-memory` flag takes.
-    while hi - lo > (hi >> 20).max(1 << 10) {
+    // To the byte: the true minimum over the searched space (about 50 feasibility checks).
+    while hi - lo > 1 {
         let mid = lo + (hi - lo) / 2;
         if with(mid) { hi = mid } else { lo = mid }
     }
@@ -658,10 +657,10 @@ mod tests {
         let e = plan(&m, &hw, &req).unwrap_err();
         let SchedError::Infeasible { min_gpu_memory: Some(g), .. } = e else { panic!("{e}") };
         assert!(g > hw.gpu_memory.0);
-        // The answer is tight: with it a plan exists, two bisection steps less (2 ppm) none does.
+        // The answer is exact: with it a plan exists, one byte less none does.
         hw.gpu_memory.0 = g;
         assert!(plan(&m, &hw, &req).is_ok());
-        hw.gpu_memory.0 = g - (g >> 19);
+        hw.gpu_memory.0 = g - 1;
         assert!(plan(&m, &hw, &req).is_err());
     }
 
