@@ -25,7 +25,7 @@ use anyhow::Result;
 use burn::tensor::backend::AutodiffBackend;
 use lt_core::{ByteSize, ModelConfig};
 use lt_exec::ExecError;
-use lt_exec::plan::{Placement, Step};
+use lt_exec::plan::Placement;
 use lt_exec::state::SharedModel;
 use lt_exec::train::{LrSchedule, StepMetrics, TrainOptions, Trainer};
 use lt_model::host::HostModel;
@@ -307,21 +307,6 @@ activations) but only {} is available (MemAvailable)",
     }
 }
 
-/// The step shape the executor runs, as lt-sched's cost model sees it.
-fn exec_config(plan: &Step, micro: usize, batch: usize, seq: usize, overlap: bool) -> ExecConfig {
-    ExecConfig {
-        micro_batch_size: micro,
-        grad_accum_steps: batch.div_ceil(micro),
-        loss_chunk_tokens: plan.shape.loss_chunk_tokens.min(micro * seq).max(1),
-        optimizer_overlap: if overlap {
-            lt_sched::OptimizerOverlap::OverlapNextForward
-        } else {
-            lt_sched::OptimizerOverlap::Serial
-        },
-        retain_all_logits: false,
-    }
-}
-
 /// Samples whole-GPU memory use with `nvidia-smi` (the allocator's own counters are not reachable
 /// through Burn 0.21's backend API), keeping the maximum.
 struct GpuMemorySampler {
@@ -498,9 +483,9 @@ struct CostFigures {
 
 fn cost_figures(s: &RunSettings, cfg: &ModelConfig, chosen: &ChosenPlan) -> Result<CostFigures, Failure> {
     let err = |e: anyhow::Error| Failure::from_error(&e);
-    let micro = chosen.micro_batch_size();
     let hw = &chosen.hardware;
-    let ecfg = exec_config(&chosen.plan, micro, s.batch_size, s.seq_len, chosen.overlap_optimizer());
+    // The step the executor runs; it frees each loss chunk's logits, whatever the policy.
+    let ecfg = ExecConfig { retain_all_logits: false, ..chosen.plan.shape };
     let recomputed = lt_sched::plan::recomputed_layers(&chosen.plan.boundaries);
     let executed = Instance::from_model(
         cfg,
