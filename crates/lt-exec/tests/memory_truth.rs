@@ -164,16 +164,23 @@ fn measure(host: &HostModel, plan: &Step, b: &Batch) -> (u64, u64, Vec<String>) 
     (measured, predicted, during)
 }
 
-/// A budget of exactly the predicted peak runs; one byte less is refused before any compute.
-fn budget_is_enforced_at_the_predicted_peak(host: &HostModel, plan: &Step, b: &Batch, predicted: u64) {
+/// One micro-batch of `plan` within a device budget of `budget` bytes: its result, and whether the
+/// executor traced any work.
+fn run_within(host: &HostModel, plan: &Step, b: &Batch, budget: u64) -> (Result<(), ExecError>, bool) {
     let grads = Arc::new(HostGrads::zeros_like(host));
     let model = Arc::new(SharedModel::new(host.clone(), 0));
-    let mut fits = Executor::<CpuAutodiff>::new(plan.clone(), ByteSize(predicted), Default::default(), None);
-    fits.micro_batch(&model, b, b.loss_tokens(), true, &grads, 0).unwrap();
-    let mut short = Executor::<CpuAutodiff>::new(plan.clone(), ByteSize(predicted - 1), Default::default(), None);
-    let e = short.micro_batch(&model, b, b.loss_tokens(), true, &grads, 0).unwrap_err();
+    let mut ex = Executor::<CpuAutodiff>::new(plan.clone(), ByteSize(budget), Default::default(), None);
+    let r = ex.micro_batch(&model, b, b.loss_tokens(), true, &grads, 0).map(|_| ());
+    (r, !ex.trace().events().is_empty())
+}
+
+/// A budget of exactly the predicted peak runs; one byte less is refused before any compute.
+fn budget_is_enforced_at_the_predicted_peak(host: &HostModel, plan: &Step, b: &Batch, predicted: u64) {
+    run_within(host, plan, b, predicted).0.unwrap();
+    let (short, ran) = run_within(host, plan, b, predicted - 1);
+    let e = short.unwrap_err();
     assert!(matches!(e, ExecError::OutOfDeviceMemory { .. }), "{e}");
-    assert!(short.trace().events().is_empty(), "refused after running something");
+    assert!(!ran, "refused after running something");
 }
 
 /// A random Qwen2/Qwen3 dense config shaped as the family's models are (2-3 layers, hidden 32-96,
@@ -242,10 +249,7 @@ fn predicted_peak_bounds_the_measured_peak() {
         budget_is_enforced_at_the_predicted_peak(host, &plan, &b, p);
         // And a random budget around it runs exactly when it covers the prediction.
         let budget = (p as f64 * (0.9 + 0.2 * (rng.next_u64() % 1000) as f64 / 1000.0)) as u64;
-        let grads = Arc::new(HostGrads::zeros_like(host));
-        let model = Arc::new(SharedModel::new(host.clone(), 0));
-        let mut ex = Executor::<CpuAutodiff>::new(plan.clone(), ByteSize(budget), Default::default(), None);
-        let ran = ex.micro_batch(&model, &b, b.loss_tokens(), true, &grads, 0).is_ok();
+        let ran = run_within(host, &plan, &b, budget).0.is_ok();
         assert_eq!(ran, budget >= p, "case {case}: budget {budget} B, predicted {p} B");
     }
     eprintln!(

@@ -36,10 +36,11 @@ pub fn choose_plan(s: &RunSettings, cfg: &ModelConfig) -> Result<ChosenPlan> {
     let shape = &mut chosen.plan.shape;
     shape.micro_batch_size = shape.micro_batch_size.clamp(1, s.batch_size);
     shape.grad_accum_steps = s.batch_size.div_ceil(shape.micro_batch_size);
-    // MegaTrain's optimizer is serial by definition; otherwise as the settings (or the plan file) say.
-    let serial = !s.overlap_optimizer || (s.plan.is_none() && s.policy == Policy::Megatrain);
-    shape.optimizer_overlap =
-        if serial { lt_sched::OptimizerOverlap::Serial } else { lt_sched::OptimizerOverlap::OverlapNextForward };
+    // Each step arrives with its own optimizer mode (MegaTrain's serial, the plan file's, the one the
+    // planner was asked for); `--serial-optimizer` makes any of them serial.
+    if !s.overlap_optimizer {
+        shape.optimizer_overlap = lt_sched::OptimizerOverlap::Serial;
+    }
     Ok(chosen)
 }
 
