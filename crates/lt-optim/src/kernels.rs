@@ -71,6 +71,22 @@
 //!   change). So the kernel is throughput-bound on the vector ports plus gathers, with no
 //!   single phase to overlap or instruction to swap out.
 //!
+//! # The AVX2 kernel on AMD Zen 3, measured
+//! AMD EPYC (family 25 model 1, Zen 3, AVX2 only; 2 vCPUs under KVM, a noisy host: medians swing
+//! 1.5x between runs, so only interleaved A/B figures mean anything). An 8-lane `vpgatherdd` from
+//! an L1-resident table took 0.7-1.1 ns per lane, a scalar load plus `vinsertps` 0.4-0.5 ns. So on
+//! AMD CPUs the AVX2 kernel reads all four tables with scalar loads (`table8`;
+//! `crate::simd::q8_avx2_loads`, `LT_OPTIM_Q8_LOOKUP=gather|loads` overrides): at 64M parameters,
+//! 2 threads, bf16 gradients with the bf16 copy, 1.44x, 1.17x and 1.20x the gather kernel in three
+//! interleaved rounds (0.46-0.48 against 0.34-0.39 Gparam/s). Ablations in L2, 1 thread, best of
+//! 2000 steps, ns per parameter (each ablation gives wrong results and was only timed): the kernel
+//! 2.2; without re-quantization 1.04; without the dequantization lookups 1.6-1.8; without division
+//! and square root 2.0-2.15; without all three 0.36. Re-quantization costs the same with gathered
+//! or loaded table reads, so its vector work (about 25 uops per lookup of 8), not the table read,
+//! sets its cost. The bf16 copy adds 10-15% here. Still about half of torch's fused fp32 AdamW on
+//! this machine (memory-bound at 0.8-0.9 Gparam/s with 2 threads): the 8-bit update is
+//! compute-bound at about 7 cycles per parameter.
+//!
 //! Every SIMD kernel does the reference's f32 operations in the reference's order, so parameters,
 //! codes and absmax are bit-identical on every path (tested on random data and on edge cases: every
 //! map transition +-1 ulp, zeros, subnormals, NaN, overflow, ragged blocks). They differ from
@@ -161,11 +177,13 @@ pub(crate) struct KernelPath {
     pub permute: bool,
     /// AVX-512: the bf16 copy with `vcvtneps2bf16` (AVX512-BF16) instead of integer rounding.
     pub bf16_hw: bool,
+    /// AVX2: the 8-bit kernel's table lookups with scalar loads instead of gathers.
+    pub loads: bool,
 }
 
 impl KernelPath {
-    /// The path for this process: [`simd_level`], `crate::simd::q8_permute_dequant` and
-    /// AVX512-BF16 detection.
+    /// The path for this process: [`simd_level`], `crate::simd::q8_permute_dequant`,
+    /// `crate::simd::q8_avx2_loads` and AVX512-BF16 detection.
     pub(crate) fn detect() -> KernelPath {
         let level = simd_level();
         let avx512 = level == SimdLevel::Avx512;
@@ -173,13 +191,14 @@ impl KernelPath {
             level,
             permute: avx512 && crate::simd::q8_permute_dequant(),
             bf16_hw: avx512 && crate::simd::has_avx512bf16(),
+            loads: level == SimdLevel::Avx2 && crate::simd::q8_avx2_loads(),
         }
     }
 
     /// The plain path of a level (gathers, integer bf16 rounding).
     #[cfg(test)]
     pub(crate) fn plain(level: SimdLevel) -> KernelPath {
-        KernelPath { level, permute: false, bf16_hw: false }
+        KernelPath { level, permute: false, bf16_hw: false, loads: false }
     }
 }
 
@@ -461,7 +480,12 @@ fn q8_run<G: GradElem>(p: &mut [f32], cp: &mut [bf16], g: &[G], mut s: Q8Slices<
             let b = s.block;
             let full = p.len() / b;
             let n = full * b;
-            let kernel = if copy == NO_COPY { x86::q8_blocks_avx2::<G, false> } else { x86::q8_blocks_avx2::<G, true> };
+            let kernel = match (path.loads, copy == NO_COPY) {
+                (false, true) => x86::q8_blocks_avx2::<G, false, false>,
+                (false, false) => x86::q8_blocks_avx2::<G, true, false>,
+                (true, true) => x86::q8_blocks_avx2::<G, false, true>,
+                (true, false) => x86::q8_blocks_avx2::<G, true, true>,
+            };
             let cpn = if cp.is_empty() { &mut [][..] } else { &mut cp[..n] };
             // SAFETY: `simd_level` reports AVX2 only when the CPU has AVX2 and FMA; the slices
             // (the copy too, when there is one) cover `full` whole blocks of `b` elements, `b` a
@@ -1282,10 +1306,44 @@ mod x86 {
         }
     }
 
-    /// `lookup` for 8 lanes with AVX2 (no unsigned compare: both sides are biased by 2^31).
+    /// Eight entries of a 32-bit table, `t[i[0]], .., t[i[7]]`, with scalar loads (`vmovss` and
+    /// `vinsertps` with a memory operand: bits are moved, never converted), for cores whose gathers
+    /// are slow (see `crate::simd::q8_avx2_loads`).
+    ///
+    /// # Safety
+    /// Every `t.add(i[k])` must be readable.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn table8<I: Copy + Into<usize>>(t: *const f32, i: [I; 8]) -> __m256 {
+        // SAFETY: the caller's.
+        unsafe {
+            let e = |k: usize| *t.add(i[k].into());
+            _mm256_setr_ps(e(0), e(1), e(2), e(3), e(4), e(5), e(6), e(7))
+        }
+    }
+
+    /// Dequantization lookup: `code[q[0..8]]`, gathered or loaded one by one (`LOADS`).
+    ///
+    /// # Safety
+    /// `q..q + 8` must be readable and `code` must have 256 entries.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn dequant8<const LOADS: bool>(code: *const f32, q: *const u8) -> __m256 {
+        // SAFETY: the caller's; indices are u8 < 256.
+        unsafe {
+            if LOADS {
+                table8(code, *(q as *const [u8; 8]))
+            } else {
+                _mm256_i32gather_ps::<4>(code, _mm256_cvtepu8_epi32(_mm_loadl_epi64(q as *const __m128i)))
+            }
+        }
+    }
+
+    /// `lookup` for 8 lanes with AVX2 (no unsigned compare: both sides are biased by 2^31); the
+    /// table read gathered, or loaded one by one (`LOADS`).
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    fn lookup8<const SIGNED: bool>(q: __m256, t: &Lut8) -> __m256i {
+    fn lookup8<const SIGNED: bool, const LOADS: bool>(q: __m256, t: &Lut8) -> __m256i {
         let bits = _mm256_castps_si256(q);
         let mag = if SIGNED { _mm256_and_si256(bits, _mm256_set1_epi32(0x7fff_ffff)) } else { bits };
         let key = _mm256_min_epu32(_mm256_max_epu32(mag, t.lo), t.one);
@@ -1296,8 +1354,16 @@ mod x86 {
             bucket = _mm256_add_epi32(bucket, _mm256_and_si256(neg, t.buckets));
         }
         // SAFETY: `key` is clamped to [lo, 1.0], so `bucket` indexes inside the table from `t.base`
-        // (see `lookup`).
-        let e = unsafe { _mm256_i32gather_epi32::<4>(t.base, bucket) };
+        // (see `lookup`); the loads read the same entries as the gather.
+        let e = unsafe {
+            if LOADS {
+                let mut i = [0u32; 8];
+                _mm256_storeu_si256(i.as_mut_ptr() as *mut __m256i, bucket);
+                _mm256_castps_si256(table8(t.base as *const f32, i.map(|x| x as usize)))
+            } else {
+                _mm256_i32gather_epi32::<4>(t.base, bucket)
+            }
+        };
         let off = _mm256_xor_si256(_mm256_sll_epi32(key, t.up), t.bias);
         let hit = _mm256_cmpgt_epi32(off, _mm256_xor_si256(e, t.bias));
         if SIGNED {
@@ -1331,7 +1397,8 @@ mod x86 {
     /// arithmetic 8 lanes at a time (bit-identical to it), gathers for dequantization, and the same
     /// reciprocal multiply and exact table lookup as the AVX-512 kernels for re-quantization.
     ///
-    /// With `COPY` it also writes the bf16 copy of every updated parameter into `cp`.
+    /// With `COPY` it also writes the bf16 copy of every updated parameter into `cp`. With `LOADS`
+    /// every table read is a scalar load instead of a gather (same entries, same bits).
     ///
     /// # Safety
     /// AVX2 and FMA must be available. `block` must be a multiple of 16 and at most `MAX_BLOCK`, and
@@ -1339,7 +1406,7 @@ mod x86 {
     /// elements, `av` as many as `am`.
     #[target_feature(enable = "avx2,fma")]
     #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn q8_blocks_avx2<G: GradElem, const COPY: bool>(
+    pub(super) unsafe fn q8_blocks_avx2<G: GradElem, const COPY: bool, const LOADS: bool>(
         p: &mut [f32],
         cp: &mut [bf16],
         g: &[G],
@@ -1386,12 +1453,10 @@ mod x86 {
                             prefetch_copy64(o + PREFETCH_AHEAD, cpp);
                         }
                     }
-                    let im = _mm256_cvtepu8_epi32(_mm_loadl_epi64(qmp.add(o) as *const __m128i));
-                    let iv = _mm256_cvtepu8_epi32(_mm_loadl_epi64(qvp.add(o) as *const __m128i));
                     let gr = G::load8(gp.add(o));
-                    let m1 = _mm256_fmadd_ps(_mm256_i32gather_ps::<4>(scode, im), am_b1, _mm256_mul_ps(gr, gm));
+                    let m1 = _mm256_fmadd_ps(dequant8::<LOADS>(scode, qmp.add(o)), am_b1, _mm256_mul_ps(gr, gm));
                     let v1 = _mm256_fmadd_ps(
-                        _mm256_i32gather_ps::<4>(ucode, iv),
+                        dequant8::<LOADS>(ucode, qvp.add(o)),
                         av_b2,
                         _mm256_mul_ps(_mm256_mul_ps(gr, gv), gr),
                     );
@@ -1431,10 +1496,10 @@ mod x86 {
                 // SAFETY: j + 16 <= block: within the scratch and the block's codes.
                 unsafe {
                     let x = |t: *const f32, s: usize| _mm256_loadu_ps(t.add(j + 8 * s));
-                    let m0 = lookup8::<true>(_mm256_mul_ps(x(tmp, 0), vr_m), &ls);
-                    let m1 = lookup8::<true>(_mm256_mul_ps(x(tmp, 1), vr_m), &ls);
-                    let v0 = lookup8::<false>(_mm256_mul_ps(x(tvp, 0), vr_v), &lu);
-                    let v1 = lookup8::<false>(_mm256_mul_ps(x(tvp, 1), vr_v), &lu);
+                    let m0 = lookup8::<true, LOADS>(_mm256_mul_ps(x(tmp, 0), vr_m), &ls);
+                    let m1 = lookup8::<true, LOADS>(_mm256_mul_ps(x(tmp, 1), vr_m), &ls);
+                    let v0 = lookup8::<false, LOADS>(_mm256_mul_ps(x(tvp, 0), vr_v), &lu);
+                    let v1 = lookup8::<false, LOADS>(_mm256_mul_ps(x(tvp, 1), vr_v), &lu);
                     _mm_storeu_si128(qmb.as_mut_ptr().add(j) as *mut __m128i, pack16(m0, m1));
                     _mm_storeu_si128(qvb.as_mut_ptr().add(j) as *mut __m128i, pack16(v0, v1));
                 }
@@ -1474,12 +1539,13 @@ mod tests {
         if simd_level() >= SimdLevel::Avx512 {
             for permute in [false, true].into_iter().filter(|&p| !p || crate::simd::has_vbmi()) {
                 for bf16_hw in [false, true].into_iter().filter(|&h| !h || crate::simd::has_avx512bf16()) {
-                    v.push(KernelPath { level: SimdLevel::Avx512, permute, bf16_hw });
+                    v.push(KernelPath { level: SimdLevel::Avx512, permute, bf16_hw, loads: false });
                 }
             }
         }
         if simd_level() >= SimdLevel::Avx2 {
             v.push(KernelPath::plain(SimdLevel::Avx2));
+            v.push(KernelPath { loads: true, ..KernelPath::plain(SimdLevel::Avx2) });
         }
         v
     }
