@@ -4,11 +4,11 @@
 //! dense configs, shapes, placements and loss chunks; a budget of exactly the predicted peak runs, one byte less is refused before any compute,
 //! and a random budget around it runs exactly when it covers the prediction.
 //!
-//! **Not met yet: the 1.15x bound everywhere, and the lower bound on random configs.** On the four
-//! fixture families the prediction is 1.00x..1.15x of the measurement (asserted: 1.0x..1.2x). On
-//! random dense configs shaped as Qwen's it is 0.93x..1.22x (asserted: 0.9x..1.3x): the per-layer
-//! working sets are a least-squares fit (`crates/lt-model/tests/layer_memory.rs`) that does not yet
-//! generalise to that precision.
+//! **Not met yet: the lower bound on random configs.** On the four fixture families the prediction
+//! is 1.01x..1.13x of the measurement, and on random dense configs shaped as Qwen's 0.92x..1.11x
+//! (asserted: 1.0x..1.15x and 0.9x..1.15x): the per-layer working sets are a least-squares fit
+//! (`crates/lt-model/tests/layer_memory.rs`) that does not yet generalise to that precision, and
+//! can under-count by up to 9% there.
 //!
 //! The space: micro-batches of at least 128 tokens. Below that, fixed costs the model does not
 //! count (autodiff bookkeeping, small context tensors: about 20-60 KB per step on the fixtures, host
@@ -235,9 +235,9 @@ fn predicted_peak_bounds_the_measured_peak() {
             plan.shape.loss_chunk_tokens
         );
         eprintln!("{what}");
-        // Never below on the fixture families; the 1.15x the issue asks for is not met everywhere
-        // yet, nor the lower bound on random configs (see the module docs).
-        let band = if synthetic.is_none() { 1.0..=1.2 } else { 0.9..=1.3 };
+        // At most 1.15x everywhere, never below on the fixture families; the lower bound on random
+        // configs is not met yet (see the module docs).
+        let band = if synthetic.is_none() { 1.0..=1.15 } else { 0.9..=1.15 };
         if synthetic.is_none() {
             (lowest, highest) = (lowest.min(r), highest.max(r));
         } else {

@@ -20,11 +20,12 @@
 //!   `s..e-1` (exclusive: `s..=e-2`) to rebuild boundaries `s+1..e-1`.
 //! - **Optimizer**: fp32 AdamW on the host, per layer. The global gradient norm is accumulated as
 //!   gradients land (no extra pass).
-//! - **Memory**: two device weight buffers and two gradient buffers of the largest layer, one slot for
-//!   a prefetched boundary; on the host 16 B/param with fp32 AdamW (fp32 master 4, m and v 8, pinned
-//!   bf16 upload copy 2 (none on an f32 device, which uploads the master), pinned bf16 gradient
-//!   landing buffer 2) or 10.03 B/param with 8-bit AdamW
-//!   ([`OptimizerState`]), plus 4 B/param of fp32 accumulator when
+//! - **Memory**: two device weight buffers and one gradient buffer of the largest layer (the running
+//!   backward's), plus the previous backward's gradients while their download runs past the
+//!   recording forward of the next (`window::row_workspace`), one slot for a prefetched boundary;
+//!   on the host 16 B/param with fp32 AdamW (fp32 master 4, m and v 8, pinned bf16 upload copy 2
+//!   (none on an f32 device, which uploads the master), pinned bf16 gradient landing buffer 2) or
+//!   10.03 B/param with 8-bit AdamW ([`OptimizerState`]), plus 4 B/param of fp32 accumulator when
 //!   accumulating micro-batches, plus four boundary-sized pinned buffers.
 //!
 //! FLOPs count multiply-adds as 2; elementwise work is not counted but is covered by the profile's
@@ -179,7 +180,8 @@ pub struct Instance {
     pub host_capacity: f64,
     /// NVMe capacity, bytes.
     pub nvme_capacity: f64,
-    /// Static device memory: reserve, two weight buffers, two gradient buffers (no prefetch slot).
+    /// Static device memory: reserve, two weight buffers, the gradient buffer of the running backward
+    /// (no prefetch slot; the previous backward's gradients are counted per row, see `window`).
     pub gpu_static_bytes: f64,
     /// Static host memory: master weights, optimizer state, pinned upload copy and gradient landing
     /// buffers, staging buffers.
@@ -282,7 +284,9 @@ impl Instance {
         let total_params = model.total_params() as u64;
         let w_max = layers.iter().map(|l| l.weight_bytes).fold(0.0, f64::max);
         let g_max = layers.iter().map(|l| l.grad_bytes).fold(0.0, f64::max);
-        let gpu_static = hw.gpu_reserved.as_f64() + 2.0 * w_max + 2.0 * g_max;
+        // The second gradient buffer (the previous backward's, downloading) is counted where it is
+        // live, per backward row (`window::row_workspace`).
+        let gpu_static = hw.gpu_reserved.as_f64() + 2.0 * w_max + g_max;
         let accum = if cfg.grad_accum_steps > 1 { HOST_ACCUM_BYTES_PER_PARAM } else { 0.0 };
         // Four boundary-sized pinned buffers: two NVMe staging buffers, boundary 0 after the host-side
         // embedding gather, and the landing buffer of dx_0.

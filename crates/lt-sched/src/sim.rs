@@ -189,7 +189,12 @@ struct MemIv {
     bytes: f64,
     from: u32,
     from_end: bool,
+    /// Seconds after the `from` point (a phase inside an operation).
+    offset: f64,
     to: [u32; 2],
+    /// Ends this many seconds after the `from` point instead of with `to` (a phase inside an
+    /// operation).
+    until: Option<f64>,
 }
 
 #[derive(Default)]
@@ -225,8 +230,28 @@ impl Engine {
     }
 
     fn hold(&mut self, tier: usize, bytes: f64, from: u32, from_end: bool, to: [u32; 2]) {
+        self.hold_after(tier, bytes, from, from_end, 0.0, to);
+    }
+
+    /// [`Engine::hold`] starting `offset` seconds after the `from` point.
+    fn hold_after(&mut self, tier: usize, bytes: f64, from: u32, from_end: bool, offset: f64, to: [u32; 2]) {
         if bytes > 0.0 {
-            self.mem.push(MemIv { tier, bytes, from, from_end, to });
+            self.mem.push(MemIv { tier, bytes, from, from_end, offset, to, until: None });
+        }
+    }
+
+    /// Held for the first `secs` seconds of operation `op`.
+    fn hold_first(&mut self, tier: usize, bytes: f64, op: u32, secs: f64) {
+        if bytes > 0.0 {
+            self.mem.push(MemIv {
+                tier,
+                bytes,
+                from: op,
+                from_end: false,
+                offset: 0.0,
+                to: [op, NONE],
+                until: Some(secs),
+            });
         }
     }
 
@@ -499,7 +524,11 @@ pub fn simulate(inst: &Instance, placements: &[Placement], overlap: OptimizerOve
                             Label::Bwd(j as u32),
                             mbu,
                         );
-                        g.hold(GPU, inst.layers[j].bwd_workspace_bytes, c, false, [c, NONE]);
+                        // The recording forward holds a forward's working set; the backward's
+                        // peaks once the graph is complete (`window::row_workspace`).
+                        let rec = inst.layers[j].fwd_seconds;
+                        g.hold_first(GPU, inst.layers[j].fwd_workspace_bytes, c, rec);
+                        g.hold_after(GPU, inst.layers[j].bwd_workspace_bytes, c, false, rec, [c, NONE]);
                         // Boundary j (kept, reloaded or recomputed) dies with its backward.
                         g.hold(GPU, a, live[j].0, live[j].1, [c, NONE]);
                         c
@@ -539,6 +568,9 @@ pub fn simulate(inst: &Instance, placements: &[Placement], overlap: OptimizerOve
                 if let Op::Bwd(j) = op {
                     let dg =
                         g.add(Stream::D2h, inst.layers[j].grad_bytes / inst.d2h, &[id], Label::DownGrad(j as u32), mbu);
+                    // The fixed memory holds the running backward's gradients; once it ends they
+                    // stay until downloaded.
+                    g.hold(GPU, inst.layers[j].grad_bytes, id, true, [dg, NONE]);
                     gbuf_drain[gb] = dg;
                     gb ^= 1;
                     if last_mb && overlap == OptimizerOverlap::OverlapBackward {
@@ -619,8 +651,11 @@ fn report(inst: &Instance, g: &Engine, first_fwd: &[u32], trace: bool) -> SimRep
             g.end(iv.from)
         } else {
             g.ops[iv.from as usize].start
+        } + iv.offset;
+        let to = match iv.until {
+            Some(secs) => from + secs,
+            None => iv.to.iter().filter(|&&x| x != NONE).map(|&x| g.end(x)).fold(from, f64::max),
         };
-        let to = iv.to.iter().filter(|&&x| x != NONE).map(|&x| g.end(x)).fold(from, f64::max);
         events[iv.tier].push((from, iv.bytes));
         events[iv.tier].push((to, -iv.bytes));
     }

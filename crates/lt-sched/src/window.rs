@@ -401,10 +401,39 @@ fn resident_head(inst: &Instance) -> f64 {
     if inst.grad_accum_steps > 1 { inst.head.weight_bytes } else { 0.0 }
 }
 
-/// Working set of backward row `k`: `B_k`'s, or that of the recompute producing boundary `k`.
+/// A backward op's working set peaks after its graph-recording forward, once the graph is complete.
+/// The previous backward's gradients, downloading since that op ended, are counted at the peak
+/// unless their download (predicted) takes at most this fraction of the recording forward (predicted):
+/// a margin of 2x on both predictions.
+const DOWNLOAD_HIDDEN_FRACTION: f64 = 0.5;
+
+/// Whether the gradients of layer `k + 1` may still be downloading when the backward of layer `k`
+/// reaches its working-set peak (see [`DOWNLOAD_HIDDEN_FRACTION`]). The replay ([`crate::sim`])
+/// places that peak the same way, after the recording forward, and holds each layer's gradients
+/// until their download ends.
+fn download_outlasts_recording(inst: &Instance, k: usize) -> bool {
+    inst.layers
+        .get(k + 1)
+        .is_some_and(|prev| prev.grad_bytes / inst.d2h > DOWNLOAD_HIDDEN_FRACTION * inst.layers[k].fwd_seconds)
+}
+
+/// Working set of backward row `k` beyond the fixed memory (which holds the gradients the running
+/// backward produces): the largest of
+/// - the backward of layer `k` after its recording forward: its working set, plus layer `k + 1`'s
+///   gradients if their download outlasts the recording forward;
+/// - its recording forward: a forward's working set plus layer `k + 1`'s gradients, downloading;
+/// - the recompute producing boundary `k`: its working set plus the gradients of the backward that
+///   ran before it (some layer above `k`), downloading.
+///
+/// The top layer's predecessor is the head, whose gradient is counted as the staged head
+/// ([`gpu_live`]).
 fn row_workspace(inst: &Instance, k: usize) -> f64 {
-    let ws_rec = if k >= 1 { inst.layers[k - 1].fwd_workspace_bytes } else { 0.0 };
-    inst.layers[k].bwd_workspace_bytes.max(ws_rec)
+    let l = &inst.layers;
+    let prev = l.get(k + 1).map_or(0.0, |x| x.grad_bytes);
+    let above = l.iter().skip(k + 1).map(|x| x.grad_bytes).fold(0.0, f64::max);
+    let ws_rec = if k >= 1 { l[k - 1].fwd_workspace_bytes + above } else { 0.0 };
+    let downloading = if download_outlasts_recording(inst, k) { prev } else { 0.0 };
+    (l[k].bwd_workspace_bytes + downloading).max(l[k].fwd_workspace_bytes + prev).max(ws_rec)
 }
 
 /// What the forward row needs beyond the fixed memory and the GPU-kept boundaries: the forward of
@@ -709,19 +738,30 @@ pub(crate) mod tests {
     fn edge_decomposition_equals_op_by_op_windows() {
         // The MILP's objective (edge costs + constant) must equal the op-by-op window model for every
         // plan; 1e-9 relative covers summation order.
+        let (mut compared, mut refused) = (0, 0);
         for seed in 0..6 {
             for k in [1, 3] {
                 let inst = synthetic(5, seed, k);
                 for overlap in OptimizerOverlap::ALL {
                     let f = Formulation::new(&inst, overlap, 5);
+                    let mem = MemoryModel::new(&inst);
                     for p in all_plans(5) {
-                        let a = step_time(&inst, &p, overlap);
                         let b = f.path_cost(&p);
+                        // A plan without a path is one the memory rows refuse.
+                        if b.is_infinite() {
+                            assert!(mem.check(&p).is_err(), "seed {seed} k {k} {overlap:?} {p:?}: fits, yet no path");
+                            refused += 1;
+                            continue;
+                        }
+                        compared += 1;
+                        let a = step_time(&inst, &p, overlap);
                         assert!((a - b).abs() <= 1e-9 * a, "seed {seed} k {k} {overlap:?} {p:?}: {a} vs {b}");
                     }
                 }
             }
         }
+        // Most plans fit: the comparison is not vacuous.
+        assert!(compared > 3 * refused, "{compared} plans compared, {refused} refused");
     }
 
     #[test]
@@ -742,6 +782,7 @@ pub(crate) mod tests {
         for layer in &mut inst.layers {
             layer.bwd_workspace_bytes = 0.0;
             layer.fwd_workspace_bytes = 0.0;
+            layer.grad_bytes = 0.0;
         }
         inst.head.workspace_bytes = 0.0;
         inst.head.stage_bytes = 0.0;
