@@ -1311,13 +1311,15 @@ mod x86 {
     /// are slow (see `crate::simd::q8_avx2_loads`).
     ///
     /// # Safety
-    /// Every `t.add(i[k])` must be readable.
+    /// Every `t.wrapping_add(i[k])` must be readable.
     #[inline]
     #[target_feature(enable = "avx2")]
     unsafe fn table8<I: Copy + Into<usize>>(t: *const f32, i: [I; 8]) -> __m256 {
         // SAFETY: the caller's.
         unsafe {
-            let e = |k: usize| *t.add(i[k].into());
+            // `wrapping_add`: `t` itself may lie before the table (a LUT base offset back by its
+            // lowest key); only the entries read are inside it.
+            let e = |k: usize| *t.wrapping_add(i[k].into());
             _mm256_setr_ps(e(0), e(1), e(2), e(3), e(4), e(5), e(6), e(7))
         }
     }
