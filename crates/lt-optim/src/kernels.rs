@@ -1396,8 +1396,8 @@ mod x86 {
     }
 
     /// The 8-bit update for CPUs with AVX2 and FMA but no AVX-512: the scalar reference's
-    /// arithmetic 8 lanes at a time (bit-identical to it), gathers for dequantization, and the same
-    /// reciprocal multiply and exact table lookup as the AVX-512 kernels for re-quantization.
+    /// arithmetic 8 lanes at a time (bit-identical to it), table reads for dequantization, and the
+    /// same reciprocal multiply and exact table lookup as the AVX-512 kernels for re-quantization.
     ///
     /// With `COPY` it also writes the bf16 copy of every updated parameter into `cp`. With `LOADS`
     /// every table read is a scalar load instead of a gather (same entries, same bits).
