@@ -8,8 +8,8 @@
 //! Every `lt` process compiles its kernels afresh, 45-60 s on lavapipe (measured: one `lt logits`
 //! of a 2-layer fixture takes 49 s with a warm autotune cache), so this file runs as few processes
 //! as show the commands end to end. What the library can show in one process runs there: every
-//! family's logits, loss and gradients against transformers (lt-model's device suite, and the
-//! self-test here against the CPU), and every family under every plan (lt-exec's device suite).
+//! family's logits, loss and gradients against transformers (lt-model's device suite) and every
+//! family under every plan against PyTorch (lt-exec's device suite).
 #![cfg(feature = "wgpu")]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -26,21 +26,26 @@ fn lt() -> Command {
     c
 }
 
-/// `lt selftest --device wgpu`: every check (logits, loss and gradients of every fixture, streamed
-/// training under every policy) passes, and there are checks for the wgpu backend at all.
+/// `lt selftest --device wgpu` on the hybrid fixture (full attention and the delta rule, the most
+/// kernels of any family): logits, loss, every gradient group and streamed training under every
+/// policy pass against the CPU. (The whole self-test, all seven fixtures, takes about 800 CPU-s on
+/// lavapipe; every family's numerics on wgpu are the library suites' job, so this runs the command.)
 #[test]
 fn selftest_on_wgpu_passes_every_check() {
-    let out = lt().args(["selftest", "--device", "wgpu", "--json"]).output().unwrap();
+    let out = lt().args(["selftest", "--device", "wgpu", "--json", "--only", "qwen35-hybrid"]).output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "selftest failed:\n{stderr}");
     let last = String::from_utf8_lossy(&out.stdout).lines().last().unwrap_or_default().to_string();
     let v: serde_json::Value = serde_json::from_str(&last).unwrap();
     assert_eq!(v["passed"], true, "{stderr}");
     let checks = v["checks"].as_array().unwrap();
-    let wgpu: Vec<_> = checks.iter().filter(|c| c["backend"] == "wgpu-f32").collect();
-    assert!(wgpu.len() >= 30, "only {} wgpu checks:\n{stderr}", wgpu.len());
-    assert!(wgpu.iter().all(|c| c["passed"] == true), "{stderr}");
-    assert!(wgpu.iter().any(|c| c["check"].as_str().unwrap().contains("train all-nvme")), "{stderr}");
+    assert!(checks.iter().all(|c| c["backend"] == "wgpu-f32" && c["passed"] == true), "{stderr}");
+    let names: Vec<&str> = checks.iter().map(|c| c["check"].as_str().unwrap()).collect();
+    let mut want = vec!["logits", "loss", "grads head", "grads layers.0"];
+    want.extend(["keep-all", "recompute-all", "megatrain", "all-host", "all-nvme"]);
+    for w in want {
+        assert!(names.iter().any(|n| n.starts_with("qwen35-hybrid/") && n.contains(w)), "no {w} check:\n{stderr}");
+    }
 }
 
 fn losses(metrics: &Path) -> Vec<f64> {
@@ -68,13 +73,13 @@ fn train(name: &str, policy: &str, device: &str, out: &Path) -> Vec<f64> {
 }
 
 /// `lt train --device wgpu` follows `lt train --device cpu`: 4 steps, every step's loss within 1e-4
-/// relative (the CPU train-parity bar), on a dense family and on the hybrid, both under `auto`:
-/// the command end to end (data, planner, streamed steps, metrics, export). The self-test above
-/// runs every fixture under every policy on wgpu in one process.
+/// relative (the CPU train-parity bar), under `auto`: the command end to end (data, planner,
+/// streamed steps, metrics, export). The hybrid trains under every policy in the self-test above
+/// and every family under every plan in lt-exec's device suite, each in one process.
 #[test]
 fn lt_train_on_wgpu_follows_the_cpu() {
     let dir = tempfile::tempdir().unwrap();
-    let runs = [("qwen2-untied-mqa", "auto"), ("qwen35-hybrid", "auto")];
+    let runs = [("qwen2-untied-mqa", "auto")];
     for (name, policy) in runs {
         let cpu = train(name, policy, "cpu", &dir.path().join(format!("{name}-{policy}-cpu")));
         let gpu = train(name, policy, "wgpu", &dir.path().join(format!("{name}-{policy}-wgpu")));
@@ -87,12 +92,12 @@ fn lt_train_on_wgpu_follows_the_cpu() {
     }
 }
 
-/// `lt logits --device wgpu` reproduces transformers' logits (1e-4 max-abs, as on the CPU), on the
-/// hybrid (the family with the most kernels of its own; lt-model's device suite checks them all).
+/// `lt logits --device wgpu` reproduces transformers' logits (1e-4 max-abs, as on the CPU): the
+/// command end to end (lt-model's device suite checks every family's logits against transformers).
 #[test]
 fn lt_logits_on_wgpu_reproduce_transformers() {
     let dir = tempfile::tempdir().unwrap();
-    let m = fixtures().join("models").join("qwen35-hybrid");
+    let m = fixtures().join("models").join("qwen2-untied-mqa");
     let out = dir.path().join("logits.safetensors");
     let o = lt()
         .args(["logits", "--device", "wgpu", "--model", m.to_str().unwrap()])
