@@ -64,14 +64,7 @@ fn detect() -> SimdLevel {
 /// `=permute` overrides the choice (the permute kernel still needs VBMI). Read once per process.
 pub(crate) fn q8_permute_dequant() -> bool {
     static PERMUTE: OnceLock<bool> = OnceLock::new();
-    *PERMUTE.get_or_init(|| {
-        let wanted = match std::env::var("LT_OPTIM_Q8_DEQUANT").ok().as_deref().map(str::trim) {
-            Some("gather") => false,
-            Some("permute") => true,
-            _ => cpu_vendor() == *b"AuthenticAMD",
-        };
-        wanted && has_vbmi()
-    })
+    *PERMUTE.get_or_init(|| amd_unless_env("LT_OPTIM_Q8_DEQUANT", "gather", "permute") && has_vbmi())
 }
 
 /// Whether the AVX2 8-bit kernel reads its tables with scalar loads rather than gathers. Both give
@@ -82,11 +75,22 @@ pub(crate) fn q8_permute_dequant() -> bool {
 /// choice. Read once per process.
 pub(crate) fn q8_avx2_loads() -> bool {
     static LOADS: OnceLock<bool> = OnceLock::new();
-    *LOADS.get_or_init(|| match std::env::var("LT_OPTIM_Q8_LOOKUP").ok().as_deref().map(str::trim) {
-        Some("gather") => false,
-        Some("loads") => true,
-        _ => cpu_vendor() == *b"AuthenticAMD",
-    })
+    *LOADS.get_or_init(|| amd_unless_env("LT_OPTIM_Q8_LOOKUP", "gather", "loads"))
+}
+
+/// A kernel variant chosen by CPU vendor unless the environment names one: `var=off` gives false,
+/// `var=on` true, and anything else (or nothing) whether the CPU is AMD's.
+fn amd_unless_env(var: &str, off: &str, on: &str) -> bool {
+    named_or(std::env::var(var).ok().as_deref(), off, on, cpu_vendor() == *b"AuthenticAMD")
+}
+
+/// `value` (trimmed) if it is `off` (false) or `on` (true), else `default`.
+fn named_or(value: Option<&str>, off: &str, on: &str, default: bool) -> bool {
+    match value.map(str::trim) {
+        Some(v) if v == off => false,
+        Some(v) if v == on => true,
+        _ => default,
+    }
 }
 
 /// The name of the 8-bit kernel family in use: `avx512-permute`, `avx512-gather`, `avx2-loads`,
@@ -148,4 +152,19 @@ pub(crate) fn has_vbmi() -> bool {
             false
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::named_or;
+
+    #[test]
+    fn an_override_names_a_variant_and_anything_else_keeps_the_default() {
+        for default in [false, true] {
+            assert!(!named_or(Some("gather"), "gather", "loads", default));
+            assert!(named_or(Some(" loads\n"), "gather", "loads", default));
+            assert_eq!(named_or(None, "gather", "loads", default), default);
+            assert_eq!(named_or(Some("permute"), "gather", "loads", default), default);
+        }
+    }
 }
