@@ -83,6 +83,10 @@ struct BenchOpts {
     /// Only these models (matrix names; repeatable).
     #[arg(long = "model", value_name = "NAME")]
     models: Vec<String>,
+    /// Also print the rows of docs/benchmarks.md's tables, as markdown (a test checks the committed
+    /// docs against the predicted ones).
+    #[arg(long)]
+    markdown: bool,
 }
 
 /// The workspace root (xtask lives one level below it).
@@ -212,6 +216,13 @@ fn bench(path: &Path, opts: &BenchOpts, root: &Path) -> Result<()> {
         total_seconds: started.elapsed().as_secs_f64(),
     };
     print!("{}", report::render_text(&r));
+    if opts.markdown {
+        println!("\nmarkdown rows ({}):", r.source.name());
+        let rows = report::markdown_step_rows(&r.rows).into_iter();
+        for row in rows.chain(report::markdown_max_batch_rows(&r.max_batch)) {
+            println!("{row}");
+        }
+    }
 
     let out = opts.out.clone().unwrap_or_else(|| root.join("target/bench"));
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
@@ -280,4 +291,32 @@ fn plots(r: &Report) -> Vec<(String, String)> {
         out.push((format!("{}-max-batch.svg", r.matrix), svg::bar_chart(&title, &sub, "sequences", &bars)));
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// docs/benchmarks.md's predicted tables are what lt-sched predicts now: a change to the cost
+    /// model that moves a figure fails here until the docs say the new one.
+    #[test]
+    fn the_docs_predicted_tables_are_the_cost_models() {
+        let root = root();
+        let doc = std::fs::read_to_string(root.join("docs/benchmarks.md")).unwrap();
+        // docs/benchmarks.md shows the H800 matrix's step rows and the RTX 3090's max batches.
+        for (file, task, steps) in [("h800", "bench-h800", true), ("rtx3090", "bench-3090", false)] {
+            let m = Matrix::load(&root.join(format!("xtask/matrices/{file}.toml")), &root).unwrap();
+            let (mut rows, max_batch) = predict::run(&m).unwrap();
+            report::fill_speedups(&mut rows);
+            let want =
+                if steps { report::markdown_step_rows(&rows) } else { report::markdown_max_batch_rows(&max_batch) };
+            assert_eq!(want.len(), m.file.models.len(), "{file}: one row per model");
+            let stale: Vec<&String> = want.iter().filter(|w| !doc.contains(w.as_str())).collect();
+            assert!(
+                stale.is_empty(),
+                "docs/benchmarks.md lacks {stale:?}; `cargo xtask {task} --predict --markdown` prints:\n{}",
+                want.join("\n")
+            );
+        }
+    }
 }

@@ -176,6 +176,43 @@ pub fn render_text(r: &Report) -> String {
     s
 }
 
+/// The rows of docs/benchmarks.md's predicted step table, as markdown: per model and batch with
+/// both policies ok, `| model | auto TFLOPS | megatrain TFLOPS | speedup | auto peak GPU GiB |`.
+/// (`--markdown` prints them; a test holds the committed docs to them.)
+pub fn markdown_step_rows(rows: &[StepRow]) -> Vec<String> {
+    let ok = |x: &StepRow| x.metrics.clone().filter(|_| x.status == Status::Ok);
+    let mut out = Vec::new();
+    for a in rows.iter().filter(|x| x.policy == Policy::Auto) {
+        let mt =
+            rows.iter().find(|x| x.policy == Policy::Megatrain && x.model == a.model && x.batch_size == a.batch_size);
+        let (Some(am), Some(mm)) = (ok(a), mt.and_then(ok)) else { continue };
+        out.push(format!(
+            "| {} | {} | {} | {}x | {} |",
+            a.model,
+            opt(am.tflops_6pt, 1),
+            opt(mm.tflops_6pt, 1),
+            opt(a.speedup_vs_megatrain, 3),
+            gib(am.peak_device_bytes)
+        ));
+    }
+    out
+}
+
+/// The rows of docs/benchmarks.md's predicted max-batch table: per model with both policies ok,
+/// `| model | auto | megatrain | auto - megatrain |`.
+pub fn markdown_max_batch_rows(max_batch: &[MaxBatchRow]) -> Vec<String> {
+    let best = |model: &str, p: Policy| {
+        max_batch.iter().find(|x| x.model == model && x.policy == p && x.status == Status::Ok).and_then(|x| x.max_batch)
+    };
+    let mut out = Vec::new();
+    for a in max_batch.iter().filter(|x| x.policy == Policy::Auto) {
+        if let (Some(ab), Some(mb)) = (best(&a.model, Policy::Auto), best(&a.model, Policy::Megatrain)) {
+            out.push(format!("| {} | {ab} | {mb} | {:+} |", a.model, ab as i64 - mb as i64));
+        }
+    }
+    out
+}
+
 fn render_steps(s: &mut String, r: &Report) {
     let measured = r.source == Source::Measured;
     let _ = write!(
