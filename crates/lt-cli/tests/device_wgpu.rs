@@ -29,7 +29,9 @@ fn lt() -> Command {
 /// `lt selftest --device wgpu` on the hybrid fixture (full attention and the delta rule, the most
 /// kernels of any family): logits, loss, every gradient group and streamed training under every
 /// policy pass against the CPU. (The whole self-test, all seven fixtures, takes about 800 CPU-s on
-/// lavapipe; every family's numerics on wgpu are the library suites' job, so this runs the command.)
+/// lavapipe; every family's numerics on wgpu are the library suites' job, so this runs the command.
+/// lt-exec's suite also keeps the case that once failed only here: dense families before the hybrid
+/// in one process, sharing the autotune cache; see docs/architecture.md, "No burn-fusion".)
 #[test]
 fn selftest_on_wgpu_passes_every_check() {
     let out = lt().args(["selftest", "--device", "wgpu", "--json", "--only", "qwen35-hybrid"]).output().unwrap();
