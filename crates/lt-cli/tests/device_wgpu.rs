@@ -5,11 +5,11 @@
 //! cargo test -p lt-cli --features wgpu --test device_wgpu
 //! ```
 //!
-//! Every `lt` process compiles its kernels afresh, 45-60 s on lavapipe (measured: one `lt logits`
-//! of a 2-layer fixture takes 49 s with a warm autotune cache), so this file runs as few processes
-//! as show the commands end to end. What the library can show in one process runs there: every
-//! family's logits, loss and gradients against transformers (lt-model's device suite) and every
-//! family under every plan against PyTorch (lt-exec's device suite).
+//! Every `lt` process compiles its kernels afresh on lavapipe (measured: one `lt logits` of a
+//! 2-layer fixture 41-57 s with a warm autotune cache, one hybrid `lt train` 194 s), so this file
+//! runs as few processes as show the commands end to end. What the library can show in one process
+//! runs there: every family's logits, loss and gradients against transformers (lt-model's device
+//! suite) and every family under every plan against PyTorch (lt-exec's device suite).
 #![cfg(feature = "wgpu")]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -81,16 +81,14 @@ fn train(name: &str, policy: &str, device: &str, out: &Path) -> Vec<f64> {
 #[test]
 fn lt_train_on_wgpu_follows_the_cpu() {
     let dir = tempfile::tempdir().unwrap();
-    let runs = [("qwen2-untied-mqa", "auto")];
-    for (name, policy) in runs {
-        let cpu = train(name, policy, "cpu", &dir.path().join(format!("{name}-{policy}-cpu")));
-        let gpu = train(name, policy, "wgpu", &dir.path().join(format!("{name}-{policy}-wgpu")));
-        assert_eq!(cpu.len(), 4, "{name}/{policy}");
-        assert_eq!(gpu.len(), cpu.len(), "{name}/{policy}");
-        for (s, (g, c)) in gpu.iter().zip(&cpu).enumerate() {
-            let e = ((g - c) / c).abs();
-            assert!(e <= 1e-4, "{name}/{policy} step {}: wgpu {g} vs cpu {c} (rel {e:e})", s + 1);
-        }
+    let (name, policy) = ("qwen2-untied-mqa", "auto");
+    let cpu = train(name, policy, "cpu", &dir.path().join("cpu"));
+    let gpu = train(name, policy, "wgpu", &dir.path().join("wgpu"));
+    assert_eq!(cpu.len(), 4, "{name}/{policy}");
+    assert_eq!(gpu.len(), cpu.len(), "{name}/{policy}");
+    for (s, (g, c)) in gpu.iter().zip(&cpu).enumerate() {
+        let e = ((g - c) / c).abs();
+        assert!(e <= 1e-4, "{name}/{policy} step {}: wgpu {g} vs cpu {c} (rel {e:e})", s + 1);
     }
 }
 
