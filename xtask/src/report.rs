@@ -180,7 +180,9 @@ pub fn render_text(r: &Report) -> String {
 /// both policies ok, `| model | auto TFLOPS | megatrain TFLOPS | speedup | auto peak GPU GiB |`.
 /// (`--markdown` prints them; a test holds the committed docs to them.)
 pub fn markdown_step_rows(rows: &[StepRow]) -> Vec<String> {
-    let ok = |x: &StepRow| x.metrics.clone().filter(|_| x.status == Status::Ok);
+    fn ok(x: &StepRow) -> Option<&StepMetrics> {
+        x.metrics.as_ref().filter(|_| x.status == Status::Ok)
+    }
     let mut out = Vec::new();
     for a in rows.iter().filter(|x| x.policy == Policy::Auto) {
         let mt =
