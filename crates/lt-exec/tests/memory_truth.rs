@@ -4,11 +4,17 @@
 //! dense configs, shapes, placements and loss chunks; a budget of exactly the predicted peak runs, one byte less is refused before any compute,
 //! and a random budget around it runs exactly when it covers the prediction.
 //!
-//! **Not met yet: the lower bound on random configs.** On the four fixture families the prediction
-//! is 1.01x..1.13x of the measurement, and on random dense configs shaped as Qwen's 0.92x..1.11x
-//! (asserted: 1.0x..1.15x and 0.9x..1.15x): the per-layer working sets are a least-squares fit
-//! (`crates/lt-model/tests/layer_memory.rs`) that does not yet generalise to that precision, and
-//! can under-count by up to 9% there.
+//! Asserted: measured <= predicted <= 1.15x measured, on every case. Measured here (2026-12-02,
+//! 32 cases): fixture families 1.009x..1.103x, random dense configs 1.042x..1.102x; with
+//! `MT_SEED=7|11|23 MT_CASES=150`, 1.001x..1.128x over 450 more cases. A full-attention layer's
+//! working set is its traced live sets (`lt_sched::working_set`, `crates/lt-model/tests/
+//! attention_live_sets.rs`); a linear-attention layer's is fitted
+//! (`crates/lt-model/tests/layer_memory.rs`); the CPU profile reserves 64 KiB for the compute
+//! thread's bookkeeping (fitted to this test's largest shortfall, 57 KB). What remains above 1.0x is
+//! mostly the running backward's whole gradient, counted from its start (the static gradient
+//! buffer), and the previous layer's gradients, counted while their download may still run (the
+//! download thread's timing decides whether they are live at the measured peak: a case can move by
+//! a few percent from run to run).
 //!
 //! The space: micro-batches of at least 128 tokens. Below that, fixed costs the model does not
 //! count (autodiff bookkeeping, small context tensors: about 20-60 KB per step on the fixtures, host
@@ -204,11 +210,12 @@ fn random_config(rng: &mut SplitMix64) -> (lt_core::ModelConfig, String) {
 fn predicted_peak_bounds_the_measured_peak() {
     let families = ["qwen3-tied-mqa", "qwen2-untied-mqa", "qwen3-hd16-gqa", "qwen35-hybrid"];
     let hosts: Vec<HostModel> = families.iter().map(|f| HostModel::load(&fixture(f)).unwrap()).collect();
-    let mut rng = SplitMix64::new(0x5eed);
+    // `MT_SEED` and `MT_CASES` explore beyond the 32 default cases.
+    let mut rng = SplitMix64::new(std::env::var("MT_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x5eed));
     let (mut lowest, mut highest) = (f64::INFINITY, 0.0f64);
     let (mut lowest_random, mut highest_random) = (f64::INFINITY, 0.0f64);
     let mut failures = Vec::new();
-    for case in 0..32 {
+    for case in 0..std::env::var("MT_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(32) {
         // Three in four cases on a fixture family, the rest on a random dense config.
         let k = (rng.next_u64() % (hosts.len() as u64 + 1)) as usize;
         let (name, synthetic) = if k < hosts.len() {
@@ -235,9 +242,7 @@ fn predicted_peak_bounds_the_measured_peak() {
             plan.shape.loss_chunk_tokens
         );
         eprintln!("{what}");
-        // At most 1.15x everywhere, never below on the fixture families; the lower bound on random
-        // configs is not met yet (see the module docs).
-        let band = if synthetic.is_none() { 1.0..=1.15 } else { 0.9..=1.15 };
+        let band = 1.0..=1.15;
         if synthetic.is_none() {
             (lowest, highest) = (lowest.min(r), highest.max(r));
         } else {

@@ -84,7 +84,7 @@ pub fn load_profile(spec: &HardwareSpec) -> Result<HardwareProfile, SchedError> 
     match spec {
         HardwareSpec::Builtin(b) => {
             let p = b.profile();
-            validate_profile(&p)?;
+            validate_profile_file(&p)?;
             Ok(p)
         }
         HardwareSpec::File(path) => {
@@ -103,8 +103,26 @@ pub fn load_profile(spec: &HardwareSpec) -> Result<HardwareProfile, SchedError> 
 pub fn profile_from_toml(text: &str, name: &str) -> Result<HardwareProfile, SchedError> {
     let p: HardwareProfile =
         toml::from_str(text).map_err(|source| SchedError::ProfileToml { path: name.to_string(), source })?;
-    validate_profile(&p)?;
+    validate_profile_file(&p)?;
     Ok(p)
+}
+
+/// [`validate_profile`], and a reserve below the GPU memory: a profile as written (a budget given
+/// later, at or below the reserve, is not a malformed profile but one no plan fits, which the
+/// planner reports with the smallest budget that works).
+///
+/// # Errors
+/// [`SchedError::InvalidProfile`] naming the first bad field.
+pub fn validate_profile_file(p: &HardwareProfile) -> Result<(), SchedError> {
+    validate_profile(p)?;
+    if p.gpu_reserved.0 >= p.gpu_memory.0 {
+        return Err(SchedError::InvalidProfile {
+            profile: p.name.clone(),
+            field: "gpu_reserved",
+            reason: "must be smaller than gpu_memory".into(),
+        });
+    }
+    Ok(())
 }
 
 /// Check that every figure is usable by the cost model.
@@ -141,9 +159,6 @@ pub fn validate_profile(p: &HardwareProfile) -> Result<(), SchedError> {
     }
     if !matches!(p.compute_dtype_bytes, 1 | 2 | 4 | 8) {
         return bad("compute_dtype_bytes", format!("{} must be 1, 2, 4 or 8", p.compute_dtype_bytes));
-    }
-    if p.gpu_reserved.0 >= p.gpu_memory.0 {
-        return bad("gpu_reserved", "must be smaller than gpu_memory".into());
     }
     Ok(())
 }

@@ -38,6 +38,7 @@ pub mod plan;
 pub mod planner;
 pub mod sim;
 pub mod window;
+pub mod working_set;
 
 pub use cost::{CostOptions, ExecConfig, Instance, OptimizerState};
 pub use error::SchedError;

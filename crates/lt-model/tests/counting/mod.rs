@@ -4,7 +4,7 @@
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicIsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicIsize, AtomicUsize, Ordering};
 
 /// Forwards to the system allocator and counts live bytes and their peak.
 pub struct Counting;
@@ -20,11 +20,13 @@ unsafe impl GlobalAlloc for Counting {
         if !p.is_null() {
             let now = CUR.fetch_add(l.size() as isize, Ordering::Relaxed) + l.size() as isize;
             PEAK.fetch_max(now, Ordering::Relaxed);
+            log(l.size() as isize, p as usize, l.align());
         }
         p
     }
     unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
         CUR.fetch_sub(l.size() as isize, Ordering::Relaxed);
+        log(-(l.size() as isize), p as usize, l.align());
         // SAFETY: same contract as the caller's.
         unsafe { System.dealloc(p, l) }
     }
@@ -48,4 +50,52 @@ pub fn start() -> isize {
 /// The peak since [`start`] returned `base`, above `base`.
 pub fn peak_above(base: isize) -> isize {
     PEAK.load(Ordering::SeqCst) - base
+}
+
+/// Capacity of the event log: allocations and frees of one recorded call.
+const LOG_CAP: usize = 1 << 17;
+static LOGGING: AtomicBool = AtomicBool::new(false);
+static LOG_LEN: AtomicUsize = AtomicUsize::new(0);
+static LOG_SIZE: [AtomicIsize; LOG_CAP] = [const { AtomicIsize::new(0) }; LOG_CAP];
+static LOG_PTR: [AtomicUsize; LOG_CAP] = [const { AtomicUsize::new(0) }; LOG_CAP];
+static LOG_ALIGN: [AtomicUsize; LOG_CAP] = [const { AtomicUsize::new(0) }; LOG_CAP];
+
+fn log(size: isize, ptr: usize, align: usize) {
+    if LOGGING.load(Ordering::Relaxed) {
+        let i = LOG_LEN.fetch_add(1, Ordering::Relaxed);
+        if i < LOG_CAP {
+            LOG_SIZE[i].store(size, Ordering::Relaxed);
+            LOG_PTR[i].store(ptr, Ordering::Relaxed);
+            LOG_ALIGN[i].store(align, Ordering::Relaxed);
+        }
+    }
+}
+
+/// One allocation (`size > 0`) or free (`size < 0`) of the block at `ptr`.
+#[derive(Debug, Clone, Copy)]
+#[allow(dead_code)]
+pub struct Event {
+    pub size: isize,
+    pub ptr: usize,
+    /// The layout's alignment.
+    pub align: usize,
+}
+
+/// Every allocation and free `f` makes (on any thread), in order.
+#[allow(dead_code)]
+pub fn record<R>(f: impl FnOnce() -> R) -> (R, Vec<Event>) {
+    LOG_LEN.store(0, Ordering::SeqCst);
+    LOGGING.store(true, Ordering::SeqCst);
+    let r = f();
+    LOGGING.store(false, Ordering::SeqCst);
+    let n = LOG_LEN.load(Ordering::SeqCst);
+    assert!(n <= LOG_CAP, "{n} events overflow the log of {LOG_CAP}");
+    let events = (0..n)
+        .map(|i| Event {
+            size: LOG_SIZE[i].load(Ordering::Relaxed),
+            ptr: LOG_PTR[i].load(Ordering::Relaxed),
+            align: LOG_ALIGN[i].load(Ordering::Relaxed),
+        })
+        .collect();
+    (r, events)
 }
