@@ -368,3 +368,55 @@ pub fn gemm_scratch_bytes(m: &ModelConfig, d: &Dims, dtype_bytes: f64, backward:
         .fold(0.0, f64::max);
     worst * dtype_bytes
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn qwen(extra: &str) -> ModelConfig {
+        let json = format!(
+            r#"{{"vocab_size":64,"hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,
+            "num_attention_heads":4,"rms_norm_eps":1e-6,"rope_theta":1e6,"tie_word_embeddings":true,{extra}}}"#
+        );
+        ModelConfig::from_json_str(&json).unwrap()
+    }
+
+    #[test]
+    fn every_qwen_path_is_probed_and_peaks_grow_with_tokens() {
+        for extra in [
+            r#""model_type":"qwen2","num_key_value_heads":2"#,
+            r#""model_type":"qwen2","num_key_value_heads":4"#,
+            r#""model_type":"qwen3","num_key_value_heads":1,"head_dim":16"#,
+            r#""model_type":"qwen3","num_key_value_heads":4,"head_dim":16"#,
+        ] {
+            let m = qwen(extra);
+            assert_eq!(sets_for(&Path::of(&m)).len(), 1, "{extra}: not probed");
+            let grads = m.layer_numel(0) as f64 * 4.0;
+            let peaks = |b: f64| attention_peaks(&m, &Dims::of(&m, b, 64.0), 4.0, grads, true);
+            let (one, two) = (peaks(1.0), peaks(2.0));
+            assert!(two.0 > one.0 && two.1 > one.1, "{extra}: {one:?} then {two:?}");
+            // A fused kernel holds no score matrix.
+            assert!(attention_peaks(&m, &Dims::of(&m, 2.0, 64.0), 4.0, grads, false).0 < two.0);
+        }
+    }
+
+    #[test]
+    fn an_unprobed_path_takes_the_largest_of_the_probed_ones() {
+        // qwen3 with attention_bias: q/k/v and o biases and a QK norm, a path no Qwen model uses.
+        let m = qwen(r#""model_type":"qwen3","num_key_value_heads":2,"head_dim":16,"attention_bias":true"#);
+        assert_eq!(sets_for(&Path::of(&m)).len(), PATHS.len());
+        let probed = qwen(r#""model_type":"qwen3","num_key_value_heads":2,"head_dim":16"#);
+        let d = Dims::of(&m, 2.0, 64.0);
+        let grads = m.layer_numel(0) as f64 * 4.0;
+        assert!(attention_peaks(&m, &d, 4.0, grads, true).0 >= attention_peaks(&probed, &d, 4.0, grads, true).0);
+    }
+
+    #[test]
+    fn weight_shaped_tensors_count_beyond_the_gradients() {
+        let d = Dims { b: 1.0, t: 1.0, h: 10.0, i: 20.0, nh: 1.0, kv: 1.0, hd: 10.0, rd: 10.0 };
+        let p = Phase { terms: &[(Term::WeightMlp, 3), (Term::TokHidden, 1)], fixed: 100, scratch: true };
+        // 3 x 200 weight elements x 4 B = 2400 B against 2000 B of gradients: 400 B count.
+        assert_eq!(p.bytes(&d, 4.0, 2000.0, true, 7.0), 100.0 + 40.0 + 400.0 + 7.0);
+        assert_eq!(p.bytes(&d, 4.0, 5000.0, true, 0.0), 140.0);
+    }
+}
