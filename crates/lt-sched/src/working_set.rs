@@ -270,16 +270,16 @@ impl Path {
 
 /// One live set: a count of tensors per term, plus bytes that no term explains.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Phase {
+pub struct Phase<'a> {
     /// Tensors live, per term.
-    pub terms: &'static [(Term, u32)],
+    pub terms: &'a [(Term, u32)],
     /// Bytes of the allocations no term explains.
     pub fixed: u32,
     /// A GEMM packing buffer is live too ([`gemm_scratch_bytes`] bounds it).
     pub scratch: bool,
 }
 
-impl Phase {
+impl Phase<'_> {
     /// Bytes of this live set at `d` in a `dtype_bytes` compute dtype, with weight-shaped tensors
     /// counted only beyond `grad_bytes` (the layer's gradients, held in the static gradient
     /// buffer), score terms left out under a fused kernel (`scores == false`), and `scratch` (the
@@ -304,9 +304,9 @@ pub struct PathSets {
     /// The code path.
     pub path: Path,
     /// The Pareto front of `layer_backward`'s live sets.
-    pub backward: &'static [Phase],
+    pub backward: &'static [Phase<'static>],
     /// The Pareto front of `layer_forward`'s live sets.
-    pub forward: &'static [Phase],
+    pub forward: &'static [Phase<'static>],
 }
 
 /// The live sets of `path`: its own when probed, else those of every probed path (the largest of
@@ -322,7 +322,7 @@ pub fn sets_for(path: &Path) -> Vec<&'static PathSets> {
 /// the inputs allocated before the call (the boundary, and the incoming gradient of a backward).
 pub fn attention_peaks(m: &ModelConfig, d: &Dims, dtype_bytes: f64, grad_bytes: f64, scores: bool) -> (f64, f64) {
     let path = Path::of(m);
-    let peak = |phases: &[Phase], backward: bool| {
+    let peak = |phases: &[Phase<'_>], backward: bool| {
         let scratch = gemm_scratch_bytes(m, d, dtype_bytes, backward);
         phases.iter().map(|p| p.bytes(d, dtype_bytes, grad_bytes, scores, scratch)).fold(0.0, f64::max)
     };
