@@ -102,8 +102,18 @@
 //! binary, 0.451-0.454 against 0.411-0.424 Gparam/s on 1 thread and 0.882-0.888 against
 //! 0.823-0.839 on 2. Tried and slower: block `k - 1`'s re-quantization pipelined into block `k`'s
 //! update (10-20% slower: more live registers, longer iterations), the bucket indices moved to
-//! the integer registers through a store and four 64-bit loads instead of `vpextrd` (15%), and
-//! separate `m` and `v` re-quantization loops (2%).
+//! the integer registers through a store and four 64-bit loads instead of `vpextrd` (15%),
+//! separate `m` and `v` re-quantization loops (2%), and gathers for the `v` lookups, for the `v`
+//! dequantization or both (3%, 8%, 13%). Also tried: finding each new code without a table. The
+//! bitsandbytes maps are eight runs of evenly spaced values, so a code is the segment (seven
+//! integer compares of the magnitude with the exact transition at each run's start, the sign in
+//! the key's low bit to get ties right on both sides) plus `floor(fma(|x|, a, b))` with `a`, `b`
+//! per run (`vpermps`), the table asked only within 5e-4 of a step of a transition (the map's
+//! transitions lie within 6e-6 of a step of their lines). It matched the table on every f32 in
+//! [-1, 1] and sent 0.1% of values to the table, but took about 37 vector operations per 8 values,
+//! as many as the table lookup, and was 7-9% slower (also with `m` computed and `v` looked up in
+//! the same loop): the kernel is bound by vector operations, about 15 per parameter at 2.9 per
+//! cycle, and reaching torch here would need about 10.
 //!
 //! Every SIMD kernel does the reference's f32 operations in the reference's order, so parameters,
 //! codes and absmax are bit-identical on every path (tested on random data and on edge cases: every
