@@ -723,12 +723,30 @@ mod x86 {
     pub(super) unsafe fn store_bf16x8(dst: *mut bf16, x: __m256) {
         let b = _mm256_castps_si256(x);
         let top = _mm256_srli_epi32::<16>(b);
-        let lsb = _mm256_and_si256(top, _mm256_set1_epi32(1));
-        let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), lsb));
         // Both sides are below 2^31, so the signed compare is the unsigned one.
         let nan =
             _mm256_cmpgt_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7fff_ffff)), _mm256_set1_epi32(0x7f80_0000));
-        let bits = _mm256_blendv_epi8(rounded, _mm256_or_si256(top, _mm256_set1_epi32(0x40)), nan);
+        let bits = _mm256_blendv_epi8(rne_bits8(b), _mm256_or_si256(top, _mm256_set1_epi32(0x40)), nan);
+        // SAFETY: the caller's.
+        unsafe { store_words8(dst, bits) }
+    }
+
+    /// The bf16 bits of 8 non-NaN f32 lanes (as i32 lanes below 2^16): integer
+    /// round-to-nearest-even.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn rne_bits8(b: __m256i) -> __m256i {
+        let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(b), _mm256_set1_epi32(1));
+        _mm256_srli_epi32::<16>(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), lsb))
+    }
+
+    /// Stores 8 i32 lanes below 2^16 as 8 u16.
+    ///
+    /// # Safety
+    /// `dst` must be valid for writing 8 elements.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn store_words8(dst: *mut bf16, bits: __m256i) {
         // Every lane is below 2^16, so the saturating pack is exact: words 0-3 of each 128-bit lane
         // are its four results; quadwords 0 and 2 hold all eight in order.
         let w = _mm256_permute4x64_epi64::<0b1000>(_mm256_packus_epi32(bits, bits));
@@ -1588,15 +1606,8 @@ mod x86 {
     #[inline]
     #[target_feature(enable = "avx2")]
     unsafe fn store_bf16x8_finite(dst: *mut bf16, x: __m256) {
-        let b = _mm256_castps_si256(x);
-        let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(b), _mm256_set1_epi32(1));
-        let r = _mm256_srli_epi32::<16>(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), lsb));
-        let w = _mm256_packus_epi32(r, r);
-        // SAFETY: the caller guarantees 8 writable elements (16 bytes).
-        unsafe {
-            _mm_storel_epi64(dst as *mut __m128i, _mm256_castsi256_si128(w));
-            _mm_storel_epi64(dst.add(4) as *mut __m128i, _mm256_extracti128_si256::<1>(w));
-        }
+        // SAFETY: the caller's.
+        unsafe { store_words8(dst, rne_bits8(_mm256_castps_si256(x))) }
     }
 }
 
