@@ -115,6 +115,21 @@
 //! the same loop): the kernel is bound by vector operations, about 15 per parameter at 2.9 per
 //! cycle, and reaching torch here would need about 10.
 //!
+//! Tried on 2026-12-03, session 12 (same host, 128K parameters, 1 thread, interleaved): finding the
+//! new codes with integer code instead of vector lookups, so that the integer ports, idle during
+//! the vector update, do them (the weights loop turned each moment into a table key, negative keys
+//! reflected so that one table read, two shifts, a compare and an add give the code; exact on every
+//! probe of every map). As its own loop it took 2.3 ns per parameter for both codes against the
+//! vector lookups' 1.0 (about 11 instructions per code at 3 per cycle), so overlapping it with the
+//! update could not pay. Reading each dequantization index with its own byte load instead of
+//! splitting a 64-bit load with shifts: no change (0.274-0.278 against 0.271-0.282 ms per step).
+//! Why no table scheme can reach torch on this host: the ablations above leave 1.0-1.1 ns per
+//! parameter for the work that is not a lookup (the division and square root 0.2, the bf16 copy
+//! 0.32, loads, stores, FMAs and absmax 0.5-0.6), while torch's fused AdamW takes 1.1 ns per
+//! parameter per thread with 2 threads. Parity on AVX2-only cores needs a cheaper rule than
+//! bitsandbytes' exact nearest code and division (a change of the optimizer's specification), or
+//! the AVX-512 kernels (Zen 4 and later, Intel).
+//!
 //! Every SIMD kernel does the reference's f32 operations in the reference's order, so parameters,
 //! codes and absmax are bit-identical on every path (tested on random data and on edge cases: every
 //! map transition +-1 ulp, zeros, subnormals, NaN, overflow, ragged blocks). They differ from
