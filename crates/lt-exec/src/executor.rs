@@ -576,7 +576,9 @@ impl<B: AutodiffBackend> Executor<B> {
                                 match bf16_copy(&model, HEAD, float) {
                                     Some(c) => {
                                         let shared = |k: usize, t: &lt_model::host::HostTensor| {
-                                            c.get(k).and_then(|c| shared_bf16_data(c, &t.shape))
+                                            c.get(k)
+                                                .and_then(Option::as_ref)
+                                                .and_then(|c| shared_bf16_data(c, &t.shape))
                                         };
                                         match (shared(HeadHost::NORM, &h.norm), shared(h.out_index(), out)) {
                                             (Some(norm), Some(out)) => Ok(Prepared::Head { norm, out }),
@@ -598,7 +600,10 @@ impl<B: AutodiffBackend> Executor<B> {
                                 let l = model.layers[i].read().unwrap_or_else(|e| e.into_inner());
                                 let kind = cfg.layer_types[i];
                                 match bf16_copy(&model, layer_slot(i), float) {
-                                    Some(c) => PreparedLayer::from_copies(&l, kind, &c)
+                                    Some(c) => c
+                                        .into_iter()
+                                        .collect::<Option<Vec<_>>>()
+                                        .and_then(|c| PreparedLayer::from_copies(&l, kind, &c))
                                         .map(|p| Prepared::Layer(i, p))
                                         .ok_or_else(|| ExecError::UploadCopy { what: format!("layer {i}") }),
                                     None => Ok(Prepared::Layer(i, PreparedLayer::converted(&l, kind, float))),

@@ -330,14 +330,16 @@ fn update(
     pool: &ThreadPool,
 ) -> Result<(), lt_optim::OptimError> {
     let Some(copy) = copy.as_mut() else { return group.update(params, grads, ctx, pool) };
-    let mut copies: Vec<&mut [lt_optim::bf16]> = copy
+    let mut copies: Vec<Option<&mut [lt_optim::bf16]>> = copy
         .iter_mut()
         .map(|c| {
-            if std::sync::Arc::get_mut(c).is_none() {
-                model.count_copy_clone();
-            }
-            std::sync::Arc::make_mut(c).as_mut_slice()
+            c.as_mut().map(|c| {
+                if std::sync::Arc::get_mut(c).is_none() {
+                    model.count_copy_clone();
+                }
+                std::sync::Arc::make_mut(c).as_mut_slice()
+            })
         })
         .collect();
-    group.update_with_copy(params, &mut copies, grads, ctx, pool)
+    group.update_with_copies(params, &mut copies, grads, ctx, pool)
 }

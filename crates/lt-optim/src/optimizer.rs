@@ -227,28 +227,8 @@ impl ParamGroup {
         ctx: &StepCtx,
         pool: &ThreadPool,
     ) -> Result<()> {
-        let n = self.tensors.len();
-        if params.len() != n {
-            return Err(OptimError::LengthMismatch {
-                what: format!("{}: parameter tensors", self.name),
-                expected: n,
-                found: params.len(),
-            });
-        }
-        if grads.len() != n {
-            return Err(OptimError::LengthMismatch {
-                what: format!("{}: gradient tensors", self.name),
-                expected: n,
-                found: grads.len(),
-            });
-        }
-        for ((t, p), g) in self.tensors.iter().zip(params.iter()).zip(grads) {
-            t.check(p.len(), g.len(), ctx.step)?;
-        }
-        for ((t, p), g) in self.tensors.iter_mut().zip(params.iter_mut()).zip(grads) {
-            t.apply(p, None, *g, ctx, pool);
-        }
-        Ok(())
+        let mut none: Vec<Option<&mut [bf16]>> = (0..params.len()).map(|_| None).collect();
+        self.update_with_copies(params, &mut none, grads, ctx, pool)
     }
 
     /// [`update`](Self::update), and in the same pass writes every updated parameter as bf16 into
@@ -283,6 +263,22 @@ impl ParamGroup {
         ctx: &StepCtx,
         pool: &ThreadPool,
     ) -> Result<()> {
+        let mut some: Vec<Option<&mut [bf16]>> = copies.iter_mut().map(|c| Some(&mut **c)).collect();
+        self.update_with_copies(params, &mut some, grads, ctx, pool)
+    }
+
+    /// [`update_with_copy`](Self::update_with_copy) where only some tensors have a copy:
+    /// `copies[i]` is `None` for a tensor whose bf16 copy nobody reads (the input embedding of an
+    /// untied model, which uploads never send), `Some` (as long as `params[i]`) otherwise. Every
+    /// length and the step number are checked before anything is modified.
+    pub fn update_with_copies(
+        &mut self,
+        params: &mut [&mut [f32]],
+        copies: &mut [Option<&mut [bf16]>],
+        grads: &[Grad<'_>],
+        ctx: &StepCtx,
+        pool: &ThreadPool,
+    ) -> Result<()> {
         let n = self.tensors.len();
         for (what, found) in [("parameter", params.len()), ("bf16 copy", copies.len()), ("gradient", grads.len())] {
             if found != n {
@@ -295,10 +291,12 @@ impl ParamGroup {
         }
         for (((t, p), cp), g) in self.tensors.iter().zip(params.iter()).zip(copies.iter()).zip(grads) {
             t.check(p.len(), g.len(), ctx.step)?;
-            t.check_copy(cp.len())?;
+            if let Some(cp) = cp {
+                t.check_copy(cp.len())?;
+            }
         }
         for (((t, p), cp), g) in self.tensors.iter_mut().zip(params.iter_mut()).zip(copies.iter_mut()).zip(grads) {
-            t.apply(p, Some(cp), *g, ctx, pool);
+            t.apply(p, cp.as_deref_mut(), *g, ctx, pool);
         }
         Ok(())
     }
@@ -851,5 +849,49 @@ mod tests {
         let again =
             opt.groups_mut()[0].update(&mut [&mut a, &mut b], &[Grad::F32(&g), Grad::F32(&g[..4])], &ctx, &pool);
         assert!(matches!(again, Err(OptimError::StepAlreadyApplied { .. })));
+    }
+
+    /// `update_with_copies` with a copy for some tensors only: the parameters and state move exactly
+    /// as with `update`, each given copy is `bf16::from_f32` of its tensor, and a wrong copy length
+    /// is an error that changes nothing, not even the tensors before it.
+    #[test]
+    fn a_group_can_copy_some_tensors_only() {
+        let pool = ThreadPool::new(2).unwrap();
+        let mut rng = SplitMix64::new(3);
+        let sizes = [4096, 300, 4096];
+        let init: Vec<Vec<f32>> = sizes.iter().map(|&n| (0..n).map(|_| rng.uniform()).collect()).collect();
+        let grads: Vec<Vec<f32>> = sizes.iter().map(|&n| (0..n).map(|_| 0.01 * rng.uniform()).collect()).collect();
+        let named = [("embed", sizes[0]), ("norm", sizes[1]), ("head", sizes[2])];
+        for kind in [OptimizerKind::AdamW, OptimizerKind::adamw8bit()] {
+            let (mut plain, mut copying) = (init.clone(), init.clone());
+            let mut a = AdamW::new(AdamWConfig::default(), kind).unwrap();
+            let mut b = AdamW::new(AdamWConfig::default(), kind).unwrap();
+            a.add_group("head", &named).unwrap();
+            b.add_group("head", &named).unwrap();
+            let mut cp1 = vec![bf16::ZERO; sizes[1]];
+            let mut cp2 = vec![bf16::ZERO; sizes[2]];
+            for _ in 0..3 {
+                let gs: Vec<Grad<'_>> = grads.iter().map(|g| Grad::F32(g)).collect();
+                let (StepOutcome::Apply(ca), StepOutcome::Apply(cb)) = (a.begin_step(1.0), b.begin_step(1.0)) else {
+                    panic!()
+                };
+                let mut pa: Vec<&mut [f32]> = plain.iter_mut().map(|p| p.as_mut_slice()).collect();
+                a.groups_mut()[0].update(&mut pa, &gs, &ca, &pool).unwrap();
+                let before = copying.clone();
+                let mut pb: Vec<&mut [f32]> = copying.iter_mut().map(|p| p.as_mut_slice()).collect();
+                let mut short = vec![bf16::ZERO; sizes[2] - 1];
+                let mut bad = [None, Some(&mut cp1[..]), Some(&mut short[..])];
+                let e = b.groups_mut()[0].update_with_copies(&mut pb, &mut bad, &gs, &cb, &pool);
+                assert!(matches!(e, Err(OptimError::LengthMismatch { .. })), "{e:?}");
+                assert!(pb.iter().zip(&before).all(|(p, q)| **p == q[..]), "{kind:?}: a tensor moved");
+                let mut copies = [None, Some(&mut cp1[..]), Some(&mut cp2[..])];
+                b.groups_mut()[0].update_with_copies(&mut pb, &mut copies, &gs, &cb, &pool).unwrap();
+            }
+            let bits = |v: &[Vec<f32>]| v.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&copying), bits(&plain), "{kind:?}");
+            for (cp, p) in [(&cp1, &copying[1]), (&cp2, &copying[2])] {
+                assert!(cp.iter().zip(p).all(|(c, &x)| c.to_bits() == bf16::from_f32(x).to_bits()), "{kind:?}");
+            }
+        }
     }
 }

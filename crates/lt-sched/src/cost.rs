@@ -24,7 +24,8 @@
 //!   backward's), plus the previous backward's gradients while their download runs past the
 //!   recording forward of the next (`window::row_workspace`), one slot for a prefetched boundary;
 //!   on the host 16 B/param with fp32 AdamW (fp32 master 4, m and v 8, pinned bf16 upload copy 2
-//!   (none on an f32 device, which uploads the master), pinned bf16 gradient landing buffer 2) or
+//!   (none on an f32 device, which uploads the master, nor for an untied model's embedding, whose
+//!   rows are gathered on the host), pinned bf16 gradient landing buffer 2) or
 //!   10.03 B/param with 8-bit AdamW ([`OptimizerState`]), plus 4 B/param of fp32 accumulator when
 //!   accumulating micro-batches, plus four boundary-sized pinned buffers.
 //!
@@ -294,9 +295,12 @@ impl Instance {
         let state = HOST_MASTER_BYTES_PER_PARAM + opts.optimizer.bytes_per_param();
         // The upload copy (one device-dtype element per param) exists only where the device dtype is
         // narrower than the fp32 master: on an f32 device the master is uploaded itself (lt-exec's
-        // `SharedModel::fill_upload_copies`).
+        // `SharedModel::fill_upload_copies`). It covers what uploads read: not the embedding of an
+        // untied model, whose rows are gathered on the host from the master.
         let upload_copy = if d < HOST_MASTER_BYTES_PER_PARAM { d } else { 0.0 };
-        let host_static = total_params as f64 * (state + upload_copy + d + accum) + 4.0 * a_bytes;
+        let copied_params = total_params - if model.tie_word_embeddings { 0 } else { head_params };
+        let host_static =
+            total_params as f64 * (state + d + accum) + copied_params as f64 * upload_copy + 4.0 * a_bytes;
         let embed_params = head_params as f64;
         let norm_params = h;
         let (opt_embed, opt_head) = if model.tie_word_embeddings {
@@ -550,6 +554,29 @@ mod tests {
         let x = Instance::from_model(&m, &hw, 256, &cfg(2), opts).unwrap();
         assert!(x.layers[0].bwd_workspace_bytes > f.layers[0].bwd_workspace_bytes);
         assert!(x.layers[0].fwd_flops > f.layers[0].fwd_flops);
+    }
+
+    /// The bf16 upload copy covers what uploads read (lt-exec's `fill_upload_copies`): untying adds
+    /// `lm_head`'s master, state and landing buffer, but no copy beyond the one matrix that tied
+    /// and untied models both upload as the output projection.
+    #[test]
+    fn an_untied_embedding_has_no_upload_copy() {
+        let tied = qwen2_tiny();
+        let j = serde_json::json!({
+            "model_type": "qwen2", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 256,
+            "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": false});
+        let untied = ModelConfig::from_json_str(&j.to_string()).unwrap();
+        let hw = BuiltinProfile::H800.profile();
+        let d = hw.compute_dtype_bytes as f64;
+        assert_eq!(d, 2.0, "a bf16 device, which has upload copies");
+        let t = Instance::from_model(&tied, &hw, 64, &cfg(2), CostOptions::default()).unwrap();
+        let u = Instance::from_model(&untied, &hw, 64, &cfg(2), CostOptions::default()).unwrap();
+        let head = (1000 * 64) as f64;
+        assert_eq!(u.total_params - t.total_params, 1000 * 64);
+        let extra = u.host_static_bytes - t.host_static_bytes;
+        let want = head * (4.0 + OptimizerState::Fp32.bytes_per_param() + d);
+        assert!((extra - want).abs() < 1e-9 * want, "{extra} vs {want}");
     }
 
     #[test]

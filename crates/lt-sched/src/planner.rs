@@ -666,15 +666,18 @@ mod tests {
 
     #[test]
     fn static_host_state_that_does_not_fit_is_infeasible() {
-        // Regression: the optimizer state of a 14B model (16 B/param) does not fit the H200 device
-        // machine's 120 GiB host budget; the planner used to return an all-GPU plan anyway.
+        // Regression: the optimizer state of a 14B model (16 B/param, less the upload copy of its
+        // untied embedding) does not fit the H200 device machine's 120 GiB host budget; the planner
+        // used to return an all-GPU plan anyway.
         let m = published("qwen2.5-14b.json");
         let hw = BuiltinProfile::H200.profile();
         let e = plan(&m, &hw, &PlanRequest::new(8, 1024)).unwrap_err();
         let msg = e.to_string();
         assert!(msg.contains("host memory 120.00 GiB is short"), "{msg}");
         let SchedError::Infeasible { min_host_memory: Some(h), .. } = e else { panic!("{msg}") };
-        assert!(h as f64 > m.total_params() as f64 * 16.0, "{h}");
+        assert!(!m.tie_word_embeddings);
+        let copied = m.total_params() - m.vocab_size * m.hidden_size;
+        assert!(h as f64 > m.total_params() as f64 * 14.0 + copied as f64 * 2.0, "{h}");
     }
 
     #[test]
