@@ -126,9 +126,10 @@
 //! Also no change: re-quantizing inside the weights loop, 16 values per iteration, instead of in a
 //! loop of its own (0.278-0.279 against 0.273-0.281), and reading the tables with `vbroadcastss`
 //! loads merged by a tree of `vblendps` (no shuffle-port work) instead of `vinsertps`. The kernel
-//! is insensitive to its instruction mix: each ablation above saved about one cycle per removed
-//! vector operation per 8 values, a third of what the core's four vector pipes allow, which
-//! suggests (no PMU counters in this VM to confirm) that the vCPU shares its core's vector units.
+//! is insensitive to its instruction mix: each ablation above saved about one cycle per vector
+//! operation it removed (per 8 values), as if the core ran one vector operation per cycle rather
+//! than the three or four its pipes allow, which suggests (no PMU counters in this VM to confirm)
+//! that the vCPU shares its core's vector units with another guest.
 //! Why no table scheme can reach torch on this host: the ablations above leave 1.0-1.1 ns per
 //! parameter for the work that is not a lookup (the division and square root 0.2, the bf16 copy
 //! 0.32, loads, stores, FMAs and absmax 0.5-0.6), while torch's fused AdamW takes 1.1 ns per
