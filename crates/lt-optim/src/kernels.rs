@@ -127,9 +127,12 @@
 //! loop of its own (0.278-0.279 against 0.273-0.281), and reading the tables with `vbroadcastss`
 //! loads merged by a tree of `vblendps` (no shuffle-port work) instead of `vinsertps`. The kernel
 //! is insensitive to its instruction mix: each ablation above saved about one cycle per vector
-//! operation it removed (per 8 values), as if the core ran one vector operation per cycle rather
-//! than the three or four its pipes allow, which suggests (no PMU counters in this VM to confirm)
-//! that the vCPU shares its core's vector units with another guest.
+//! operation it removed (per 8 values), as if the core ran one vector operation per cycle. The
+//! core itself does not: independent `vpaddd` ymm ran at 4.1 per cycle, `vmulps` and `vpshufd` ymm
+//! at 2.2 (12 and 8 independent chains in inline assembly, 2.85 GHz by a dependent `add` chain), so
+//! the kernel is bound by its dependency chains (code load, table loads, insert chain, FMA) and the
+//! out-of-order window rather than by port throughput; without PMU counters in this VM, which
+//! structure fills first is not known.
 //! Why no table scheme can reach torch on this host: the ablations above leave 1.0-1.1 ns per
 //! parameter for the work that is not a lookup (the division and square root 0.2, the bf16 copy
 //! 0.32, loads, stores, FMAs and absmax 0.5-0.6), while torch's fused AdamW takes 1.1 ns per
