@@ -124,8 +124,10 @@
 //! update could not pay. Reading each dequantization index with its own byte load instead of
 //! splitting a 64-bit load with shifts: no change (0.274-0.278 against 0.271-0.282 ms per step).
 //! Also no change: re-quantizing inside the weights loop, 16 values per iteration, instead of in a
-//! loop of its own (0.278-0.279 against 0.273-0.281), and reading the tables with `vbroadcastss`
-//! loads merged by a tree of `vblendps` (no shuffle-port work) instead of `vinsertps`. The kernel
+//! loop of its own (0.278-0.279 ms per step, one outlier at 0.311, against 0.273-0.281), and
+//! reading the tables with `vbroadcastss` loads merged by a tree of `vblendps` (no shuffle-port
+//! work) instead of `vinsertps` (0.290-0.324 against 0.293-0.299, both behind the same run-time
+//! switch). The kernel
 //! is insensitive to its instruction mix: each ablation above saved about one cycle per vector
 //! operation it removed (per 8 values), as if the core ran one vector operation per cycle. The
 //! core itself does not: independent `vpaddd` ymm ran at 4.1 per cycle, `vmulps` and `vpshufd` ymm
