@@ -115,37 +115,34 @@
 //! the same loop): the kernel is bound by vector operations, about 15 per parameter at 2.9 per
 //! cycle, and reaching torch here would need about 10.
 //!
-//! Tried on 2026-12-03, session 12 (same host, 128K parameters, 1 thread, interleaved): finding the
-//! new codes with integer code instead of vector lookups, so that the integer ports, idle during
-//! the vector update, do them (the weights loop turned each moment into a table key, negative keys
-//! reflected so that one table read, two shifts, a compare and an add give the code; exact on every
-//! probe of every map). As its own loop it took 2.3 ns per parameter for both codes against the
-//! vector lookups' 1.0 (about 11 instructions per code at 3 per cycle), so overlapping it with the
-//! update could not pay. Reading each dequantization index with its own byte load instead of
-//! splitting a 64-bit load with shifts: no change (0.274-0.278 against 0.271-0.282 ms per step).
-//! Also no change: re-quantizing inside the weights loop, 16 values per iteration, instead of in a
-//! loop of its own (0.278-0.279 ms per step, one outlier at 0.311, against 0.273-0.281), and
-//! reading the tables with `vbroadcastss` loads merged by a tree of `vblendps` (no shuffle-port
-//! work) instead of `vinsertps` (0.290-0.324 against 0.293-0.299, both behind the same run-time
-//! switch). The kernel
-//! is insensitive to its instruction mix: each ablation above saved about one cycle per vector
-//! operation it removed (per 8 values), as if the core ran one vector operation per cycle. The
-//! core itself does not: independent `vpaddd` ymm ran at 4.1 per cycle, `vmulps` and `vpshufd` ymm
-//! at 2.2 (12 and 8 independent chains in inline assembly, 2.85 GHz by a dependent `add` chain), so
-//! the kernel is bound by its dependency chains (code load, table loads, insert chain, FMA) and the
-//! out-of-order window rather than by port throughput; without PMU counters in this VM, which
-//! structure fills first is not known. What a table read costs alone (C with intrinsics, gcc -O2,
-//! 8 lanes from a 1 KB table per call, four independent accumulators, 2.77 GHz by a dependent
-//! `add` chain, median of 2): `vmovss` + `vinsertps` 2.24-2.27 ns per 8 lanes (0.78 cycles a lane),
-//! `vbroadcastss` + `vblendps` 2.52-2.67, `vpgatherdd` 3.71-4.35. The kernel reads four tables per
-//! parameter (two codes to dequantize, two buckets to re-quantize): 1.13 ns per parameter for the
-//! table reads alone, against torch's 1.44 ns per parameter per thread at 2 threads today.
-//! Why no table scheme can reach torch on this host: the ablations above leave 1.0-1.1 ns per
-//! parameter for the work that is not a lookup (the division and square root 0.2, the bf16 copy
-//! 0.32, loads, stores, FMAs and absmax 0.5-0.6), while torch's fused AdamW takes 1.1 ns per
-//! parameter per thread with 2 threads. Parity on AVX2-only cores needs a cheaper rule than
-//! bitsandbytes' exact nearest code and division (a change of the optimizer's specification), or
-//! the AVX-512 kernels (Zen 4 and later, Intel).
+//! Tried on 2026-12-03, session 12 (same host; 128K parameters, 1 thread, A/B interleaved in one
+//! run, median ms per step), none kept:
+//! - Finding the new codes on the integer ports, idle during the vector update: the weights loop
+//!   turned each moment into a table key (negative keys reflected, so that one table read, two
+//!   shifts, a compare and an add give the code; exact on every probe of every map). As its own
+//!   loop, 0.435 against 0.272: 2.3 ns per parameter for both codes against the vector lookups'
+//!   1.0 (about 11 instructions per code at 3 per cycle), so overlapping it could not pay.
+//! - Each dequantization index by its own byte load instead of a 64-bit load split by shifts:
+//!   0.274-0.278 against 0.271-0.282.
+//! - Re-quantizing inside the weights loop, 16 values per iteration: 0.278-0.279 (one outlier at
+//!   0.311) against 0.273-0.281.
+//! - Table reads by `vbroadcastss` loads merged by a tree of `vblendps` (no shuffle-port work)
+//!   instead of `vinsertps`: 0.290-0.324 against 0.293-0.299 (both behind the same run-time switch).
+//!
+//! The core's vector throughput is not the limit: independent `vpaddd` ymm ran at 4.1 per cycle,
+//! `vmulps` and `vpshufd` ymm at 2.2 (inline assembly, 12 and 8 independent chains). Table reads
+//! cost, measured alone (C with intrinsics, 8 lanes from a 1 KB table per call, four independent
+//! accumulators, 2.77 GHz by a dependent `add` chain): `vmovss` + `vinsertps` 2.24-2.27 ns per 8
+//! lanes (0.78 cycles a lane), `vbroadcastss` + `vblendps` 2.52-2.67, `vpgatherdd` 3.71-4.35. The
+//! kernel reads four tables per parameter (two codes to dequantize, two buckets to re-quantize), so
+//! per parameter: table reads 1.13 ns, the rest of re-quantization about 0.45, division and square
+//! root 0.2, the streaming part 0.36 (the ablation without all three); about 2.1 against the
+//! kernel's 2.2-2.4 (clocks differ between days): the parts barely overlap, and none of the
+//! rearrangements above made them overlap more. Table reads plus the streaming part alone, without overlap,
+//! come to 1.5 ns, more than the 1.44 ns per parameter per thread that torch's fused AdamW needs at
+//! 2 threads today (1.385 Gparam/s at 64M). Parity on AVX2-only cores needs fewer or cheaper table
+//! reads than bitsandbytes' exact nearest-code rule allows (a change of the optimizer's
+//! specification), or the AVX-512 kernels (Zen 4 and later, Intel).
 //!
 //! Every SIMD kernel does the reference's f32 operations in the reference's order, so parameters,
 //! codes and absmax are bit-identical on every path (tested on random data and on edge cases: every
