@@ -138,11 +138,11 @@
 //! per parameter: table reads 1.13 ns, the rest of re-quantization about 0.45, division and square
 //! root 0.2, the streaming part 0.36 (the ablation without all three); about 2.1 against the
 //! kernel's 2.2-2.4 (clocks differ between days): the parts barely overlap, and none of the
-//! rearrangements above made them overlap more. Table reads plus the streaming part alone, without overlap,
-//! come to 1.5 ns, more than the 1.44 ns per parameter per thread that torch's fused AdamW needs at
-//! 2 threads today (1.385 Gparam/s at 64M). Parity on AVX2-only cores needs fewer or cheaper table
-//! reads than bitsandbytes' exact nearest-code rule allows (a change of the optimizer's
-//! specification), or the AVX-512 kernels (Zen 4 and later, Intel).
+//! rearrangements above made them overlap more. Table reads plus the streaming part alone,
+//! without overlap, come to 1.5 ns, more than the 1.44 ns per parameter per thread that torch's
+//! fused AdamW needs at 2 threads today (1.385 Gparam/s at 64M). Parity on AVX2-only cores needs
+//! fewer or cheaper table reads than bitsandbytes' exact nearest-code rule allows (a change of the
+//! optimizer's specification), or the AVX-512 kernels (Zen 4 and later, Intel).
 //!
 //! Every SIMD kernel does the reference's f32 operations in the reference's order, so parameters,
 //! codes and absmax are bit-identical on every path (tested on random data and on edge cases: every
