@@ -133,6 +133,7 @@ fn main() {
     println!(
         "one layer, batch {b}, hidden 256, median of {repeats} interleaved rounds; RAYON_NUM_THREADS {threads}, {cores} cores"
     );
+    println!("host: {}", lt_core::HostCpu::detect());
 
     let (chunked, recurrent) = (DeltaForm::Chunked, DeltaForm::Recurrent);
     let mut cases = vec![

@@ -136,8 +136,9 @@ fn bench_update(c: &mut Criterion) {
         t[3]
     };
     eprintln!(
-        "\nsame-run step times, {n} params, {threads} threads, 8-bit kernel {} (median of 7):",
-        lt_optim::q8_kernel_name()
+        "\nsame-run step times, {n} params, {threads} threads, 8-bit kernel {} (median of 7), host {}:",
+        lt_optim::q8_kernel_name(),
+        lt_core::HostCpu::detect()
     );
     for dtype in ["f32", "bf16"] {
         let grad = if dtype == "f32" { Grad::F32(&s.g32) } else { Grad::Bf16(&s.g16) };

@@ -81,7 +81,7 @@ fn bench(c: &mut Criterion) {
     }
     g.finish();
 
-    println!("\nMILP (warm, as lt plan runs it) / DP solve-time ratio, same run:");
+    println!("\nMILP (warm, as lt plan runs it) / DP solve-time ratio, same run, host {}:", lt_core::HostCpu::detect());
     for l in LAYERS {
         let f = formulation(l);
         let reps = 20;

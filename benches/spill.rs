@@ -182,7 +182,8 @@ fn spill(c: &mut Criterion) {
     }
     let base_s = median(base);
     let gib_s = |s: f64| 2.0 * VALUE as f64 / s / f64::from(1u32 << 30);
-    eprintln!("\n{:<24} {:>10} {:>8}   (median of 9 interleaved rounds)", "put+get 64 MiB", "GiB/s", "x dd");
+    eprintln!("\nhost: {}", lt_core::HostCpu::detect());
+    eprintln!("{:<24} {:>10} {:>8}   (median of 9 interleaved rounds)", "put+get 64 MiB", "GiB/s", "x dd");
     eprintln!("{:<24} {:>10.2} {:>8.2}", "dd_like_o_direct_4MiB", gib_s(base_s), 1.0);
     for ((e, t), broken) in engines.iter().zip(times).zip(broken) {
         if broken || t.is_empty() {

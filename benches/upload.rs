@@ -137,6 +137,7 @@ fn main() {
         layer_bytes as f64 / 1e6,
         threads,
     );
+    println!("  host: {}", lt_core::HostCpu::detect());
     println!("  PCIe reference: {:.1} ms ({pcie_gbs} GB/s)", pcie * 1e3);
     let row = |name: &str, secs: f64, base: Option<f64>| {
         let vs = match base {

@@ -59,6 +59,13 @@ base_key = ("torch-fused", "f32", "none")
 base = med.get(base_key)
 kernel = next((x.get("kernel") for x in rows if x.get("kernel")), "n/a")
 print(f"lt 8-bit kernel: {kernel}")
+# Host speeds hold for this CPU only: name it (lt's label: model name, family/model, SIMD).
+host = next((x["host_cpu"] for x in rows if x.get("host_cpu")), None)
+if host:
+    ids = " ".join(str(v) for v in [host.get("vendor"),
+                                     host.get("family") is not None and f"family {host['family']}",
+                                     host.get("model") is not None and f"model {host['model']}"] if v)
+    print(f"host: {host['name']} ({ids}), {host['logical_cpus']} logical CPUs, SIMD {' '.join(host['simd']) or 'none'}")
 print(f"{'optimizer':<12} {'grads':<5} {'copy':<5} {'runs':>4} {'Gparam/s':>9} {'min..max':>13} {'x torch fused':>13} "
       f"{'B/param moved':>13} {'GB/s':>6} {'state B/param':>13}")
 for key, v in sorted(groups.items(), key=lambda kv: -med[kv[0]]):

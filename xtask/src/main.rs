@@ -211,6 +211,7 @@ fn bench(path: &Path, opts: &BenchOpts, root: &Path) -> Result<()> {
         mode_reason: reason,
         gpus,
         lt_binary,
+        host_cpu: (source == Source::Measured).then(lt_core::HostCpu::detect),
         rows,
         max_batch,
         total_seconds: started.elapsed().as_secs_f64(),

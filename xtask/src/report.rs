@@ -111,6 +111,9 @@ pub struct Report {
     pub gpus: Vec<String>,
     /// The `lt` binary of a measured run.
     pub lt_binary: Option<String>,
+    /// The host CPU of a measured run: the optimizer and the upload preparation run on it, so a
+    /// measured step time holds for this host as well as this GPU.
+    pub host_cpu: Option<lt_core::HostCpu>,
     /// Step rows.
     pub rows: Vec<StepRow>,
     /// Max-batch rows.
@@ -162,6 +165,9 @@ pub fn render_text(r: &Report) -> String {
     let _ = writeln!(s, "matrix {} ({}), hardware profile {}", r.matrix, r.matrix_file, r.hardware);
     if !r.description.is_empty() {
         let _ = writeln!(s, "{}", r.description);
+    }
+    if let Some(host) = &r.host_cpu {
+        let _ = writeln!(s, "host: {host}");
     }
     if !r.rows.is_empty() {
         s.push('\n');
@@ -452,6 +458,7 @@ mod tests {
             mode_reason: "no matching GPU found".into(),
             gpus: vec![],
             lt_binary: None,
+            host_cpu: None,
             rows,
             max_batch: vec![],
             total_seconds: 0.0,
@@ -467,5 +474,16 @@ mod tests {
         for row in json["rows"].as_array().unwrap() {
             assert_eq!(row["source"], "predicted");
         }
+        // A simulation ran on no particular host; a measured run names the CPU next to its figures.
+        assert!(!text.contains("host:"), "{text}");
+        let cpuinfo = "vendor_id : GenuineIntel\ncpu family : 6\nmodel : 143\nmodel name : Intel Xeon\n";
+        let measured = Report {
+            source: Source::Measured,
+            host_cpu: Some(lt_core::HostCpu::from_cpuinfo(cpuinfo, 16, vec!["avx512f".into()])),
+            ..r
+        };
+        let text = render_text(&measured);
+        let host = "host: Intel Xeon (GenuineIntel family 6 model 143), 16 logical CPUs, SIMD avx512f";
+        assert_eq!(text.lines().nth(2), Some(host), "{text}");
     }
 }

@@ -98,6 +98,32 @@ fn bench_train_reports_consistent_throughput() {
     assert!(f(&v, "tflops_full") > f(&v, "tflops_6pt"), "{v}");
     let t: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
     assert!(t["traceEvents"].as_array().is_some_and(|e| e.len() > 5));
+    assert_names_this_host(&v["host_cpu"]);
+}
+
+/// A host-speed report's `host_cpu`: the CPU `lt_core::HostCpu::detect` sees here, so that a figure
+/// never travels without the CPU it was measured on.
+fn assert_names_this_host(host: &serde_json::Value) {
+    let here = serde_json::to_value(lt_core::HostCpu::detect()).unwrap();
+    assert_eq!(host, &here, "host_cpu");
+    assert!(host["logical_cpus"].as_u64().is_some_and(|n| n >= 1), "{host}");
+}
+
+#[test]
+fn bench_optimizer_names_the_cpu_and_kernel_next_to_its_speed() {
+    let out = lt()
+        .args(["bench", "optimizer", "--optimizer", "adamw8bit", "--params", "64K", "--steps", "2", "--warmup", "1"])
+        .args(["--threads", "1", "--write-copy", "bf16", "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+    let v = last_json(&out);
+    assert!(f(&v, "gparams_per_s") > 0.0, "{v}");
+    assert!(v["kernel"].as_str().is_some_and(|k| !k.is_empty()), "{v}");
+    assert_names_this_host(&v["host_cpu"]);
+    let human = String::from_utf8_lossy(&out.stderr);
+    let name = v["host_cpu"]["name"].as_str().unwrap();
+    assert!(human.contains("Gparam/s") && human.contains(&format!("host {name}")), "{human}");
 }
 
 #[test]

@@ -17,8 +17,10 @@
 pub mod config;
 pub mod hardware;
 pub mod hash;
+pub mod host;
 pub mod rng;
 pub mod size;
 
 pub use config::{ConfigError, Family, LayerKind, LinearAttnConfig, ModelConfig, ParamSpec};
+pub use host::HostCpu;
 pub use size::ByteSize;

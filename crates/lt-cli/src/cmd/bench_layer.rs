@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use clap::ValueEnum;
-use lt_core::{LayerKind, ModelConfig};
+use lt_core::{HostCpu, LayerKind, ModelConfig};
 use lt_model::DeltaForm;
 use lt_sched::cost::{CostOptions, ExecConfig, Instance};
 
@@ -153,6 +153,11 @@ fn report(
         args.device.name(),
         times.fwd.len()
     );
+    // On the CPU these are host speeds, which hold for this CPU only.
+    let host = HostCpu::detect();
+    if args.device == DeviceChoice::Cpu {
+        println!("  host: {host}");
+    }
     println!(
         "  forward                {fwd:>9.4} s  {:>8.3} TFLOPS   predicted {:.4} s ({})",
         lc.fwd_flops / fwd / 1e12,
@@ -176,6 +181,7 @@ fn report(
             "seq_len": t,
             "device": args.device.name(),
             "compute_dtype": args.device.dtype(),
+            "host_cpu": host,
             "threads": std::thread::available_parallelism().map_or(1, usize::from),
             "fwd_seconds": fwd,
             "fwd_bwd_seconds": bwd,

@@ -20,6 +20,7 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 use clap::ValueEnum;
+use lt_core::HostCpu;
 use lt_optim::{
     AdamW, AdamWConfig, Grad, OptimizerKind, Quant8Config, StepOutcome, ThreadPool, bf16, fill_bf16, q8_kernel_name,
     simd_level,
@@ -222,10 +223,12 @@ fn report(args: &BenchOptimizerArgs, kind: OptimizerKind, median: f64, best: f64
     };
     // The 8-bit kernel family (the fp32 kernels are auto-vectorised at the same SIMD level).
     let kernel = if matches!(kind, OptimizerKind::AdamW8bit(_)) { q8_kernel_name() } else { simd_level().name() };
+    // A host speed: it holds for this CPU only, so the CPU is named next to it.
+    let host = HostCpu::detect();
     let human = format!(
         "{name}: {n} params, {} threads, {dtype} grads, copy {write_copy}, kernel {kernel}: median {:.3} ms/step \
          (best {:.3}), {gparams:.3} Gparam/s, {:.1} GB/s at {bytes_per_param:.2} B/param, state \
-         {state_bytes_per_param:.3} B/param",
+         {state_bytes_per_param:.3} B/param; host {host}",
         args.threads,
         median * 1e3,
         best * 1e3,
@@ -241,6 +244,7 @@ fn report(args: &BenchOptimizerArgs, kind: OptimizerKind, median: f64, best: f64
             "block": if matches!(kind, OptimizerKind::AdamW8bit(_)) { Some(args.block) } else { None },
             "simd": simd_level().name(),
             "kernel": kernel,
+            "host_cpu": host,
             "write_copy": write_copy,
             "warmup": args.warmup,
             "steps": args.steps,

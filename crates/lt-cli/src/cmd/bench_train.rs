@@ -23,7 +23,7 @@ use std::time::Instant;
 
 use anyhow::Result;
 use burn::tensor::backend::AutodiffBackend;
-use lt_core::{ByteSize, ModelConfig};
+use lt_core::{ByteSize, HostCpu, ModelConfig};
 use lt_exec::ExecError;
 use lt_exec::plan::Placement;
 use lt_exec::state::SharedModel;
@@ -224,6 +224,9 @@ fn human_summary(r: &Report) -> String {
         s("steps"),
         s("warmup"),
     );
+    if let Ok(host) = serde_json::from_value::<HostCpu>(j["host_cpu"].clone()) {
+        out += &format!("  host: {host}\n");
+    }
     out += &format!(
         "  measured: {:.3} s/step, {:.1} tokens/s, {:.3} TFLOPS (6*params*tokens), {:.3} TFLOPS (executed, attention and recompute counted)\n",
         f("step_seconds"),
@@ -570,6 +573,9 @@ fn figures(
         "warmup": args.warmup,
         "device": device_name,
         "compute_dtype": dtype,
+        // The host runs the optimizer (and, on the CPU backend, everything): its speeds hold for
+        // this CPU only.
+        "host_cpu": HostCpu::detect(),
         "hardware": hardware,
         "optimizer": s.optimizer.name(),
         "threads": s.threads,
@@ -629,5 +635,20 @@ mod tests {
     fn model_names_come_from_the_file_stem_or_folder() {
         assert_eq!(model_name(Path::new("configs/models/qwen2.5-7b.json")), "qwen2.5-7b");
         assert_eq!(model_name(Path::new("x/Qwen3-8B/config.json")), "Qwen3-8B");
+    }
+
+    #[test]
+    fn the_human_summary_names_the_host_cpu() {
+        let cpu = HostCpu::from_cpuinfo(
+            "vendor_id : AuthenticAMD\ncpu family : 25\nmodel : 1\nmodel name : AMD EPYC\n",
+            2,
+            vec!["avx2".into()],
+        );
+        let report = Report { json: serde_json::json!({ "host_cpu": cpu, "step_seconds": 1.0 }) };
+        let text = human_summary(&report);
+        let line = "  host: AMD EPYC (AuthenticAMD family 25 model 1), 2 logical CPUs, SIMD avx2";
+        assert!(text.lines().any(|l| l == line), "{text}");
+        // A report without one (an older JSON) just has no host line.
+        assert!(!human_summary(&Report { json: serde_json::json!({}) }).contains("host:"));
     }
 }

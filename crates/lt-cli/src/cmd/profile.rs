@@ -32,9 +32,9 @@ use anyhow::{Context, Result, bail};
 use burn::tensor::backend::{AutodiffBackend, Backend, BackendTypes};
 use burn::tensor::{Distribution, Tensor, TensorData};
 use clap::ValueEnum;
-use lt_core::ByteSize;
 use lt_core::ModelConfig;
 use lt_core::hardware::{BuiltinProfile, HardwareProfile};
+use lt_core::{ByteSize, HostCpu};
 use lt_optim::{AdamW, AdamWConfig, Grad, OptimizerKind, StepOutcome, ThreadPool};
 use lt_sched::cost::{CostOptions, ExecConfig, Instance};
 use lt_storage::spill::{SpillBuf, SpillConfig, SpillStore, Ticket};
@@ -386,7 +386,7 @@ fn print_summary(
 ) {
     let summary = format!(
         "wrote {} (base {}, {:.1} s): h2d {:.2} GB/s, d2h {:.2} GB/s, peak {:.3} TFLOPS x efficiency {:.3}, nvme r/w \
-{:.2}/{:.2} GB/s, optimizer {:.2} Gparam/s",
+{:.2}/{:.2} GB/s, optimizer {:.2} Gparam/s; host {}",
         args.out.display(),
         base.name,
         started.elapsed().as_secs_f64(),
@@ -396,7 +396,8 @@ fn print_summary(
         profile.efficiency,
         profile.nvme_read_gb_per_s,
         profile.nvme_write_gb_per_s,
-        profile.optimizer_gparams_per_s
+        profile.optimizer_gparams_per_s,
+        HostCpu::detect()
     );
     if !args.json {
         println!("{summary}");
@@ -407,6 +408,7 @@ fn print_summary(
             "device": device_name(args.device),
             "base": base.name,
             "quick": args.quick,
+            "host_cpu": HostCpu::detect(),
             "seconds": started.elapsed().as_secs_f64(),
             "measured": m,
             "profile": profile,
