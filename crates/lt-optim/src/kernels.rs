@@ -144,6 +144,23 @@
 //! fewer or cheaper table reads than bitsandbytes' exact nearest-code rule allows (a change of the
 //! optimizer's specification), or the AVX-512 kernels (Zen 4 and later, Intel).
 //!
+//! Session 13 (2026-12-03, same host, no PMU in this VM) mapped which resource each loop is short
+//! of by adding, in turn, 8 independent instructions of one kind per 8 parameters to one loop
+//! (inline assembly whose results nothing reads; 128K parameters, 1 thread, bf16 copy, 2000 steps,
+//! medians of 5 interleaved rounds, base 0.300 ms per step): in the moments loop `lea` +0%,
+//! `vpaddd` +1%, `vinsertps` with a load +2%; in the weights loop `lea` -3% (noise), `vpextrd`
+//! +10%; in the re-quantization loop `vpaddd` +2%, `vinsertps` +7%, `lea` +8%. So the moments loop
+//! has slack, the weights loop is bound on the vector side (the divider), and re-quantization on
+//! the integer and load side, where its 16 `vpextrd`/`vmovd` index moves, 32 table loads and the
+//! constants and pointers it reloads from the stack (register pressure) all land. Two changes aimed
+//! there measured no faster, A/B against the kept kernel: the default maps' bucket shifts as
+//! immediates, as in the AVX-512 kernel (frees four registers; 0.281-0.302 against 0.291-0.305 ms),
+//! and 8 parameters per re-quantization iteration instead of 16 (half the live indices;
+//! 0.307-0.328 against 0.295-0.418). The kernel is about 24 instructions per parameter (moments 11,
+//! weights 2.6, re-quantization 10); at the same IPC, torch's 1.44 ns would need about 14, which is
+//! close to the bare minimum of this scheme (four table reads of two instructions each, plus the
+//! arithmetic), so no compiler-level rearrangement closes the gap on this core.
+//!
 //! Every SIMD kernel does the reference's f32 operations in the reference's order, so parameters,
 //! codes and absmax are bit-identical on every path (tested on random data and on edge cases: every
 //! map transition +-1 ulp, zeros, subnormals, NaN, overflow, ragged blocks). They differ from
