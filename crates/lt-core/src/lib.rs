@@ -2,7 +2,8 @@
 //!
 //! `lt-core` sits at the bottom of the crate graph: every other crate depends on it and it depends on
 //! nothing heavy (no Burn, no I/O engines). It holds the validated model configuration parsed from a
-//! Hugging Face `config.json`, the parameter inventory derived from it, and byte sizes.
+//! Hugging Face `config.json`, the parameter inventory derived from it, byte sizes, hardware
+//! profiles, and the host CPU label that every host-speed figure carries ([`host::HostCpu`]).
 //!
 //! ```
 //! use lt_core::config::ModelConfig;

@@ -384,6 +384,8 @@ fn print_summary(
     m: &Measured,
     started: Instant,
 ) {
+    // The optimizer speed (and the upload preparation) are host speeds: name the CPU with them.
+    let host = HostCpu::detect();
     let summary = format!(
         "wrote {} (base {}, {:.1} s): h2d {:.2} GB/s, d2h {:.2} GB/s, peak {:.3} TFLOPS x efficiency {:.3}, nvme r/w \
 {:.2}/{:.2} GB/s, optimizer {:.2} Gparam/s; host {}",
@@ -397,7 +399,7 @@ fn print_summary(
         profile.nvme_read_gb_per_s,
         profile.nvme_write_gb_per_s,
         profile.optimizer_gparams_per_s,
-        HostCpu::detect()
+        host
     );
     if !args.json {
         println!("{summary}");
@@ -408,7 +410,7 @@ fn print_summary(
             "device": device_name(args.device),
             "base": base.name,
             "quick": args.quick,
-            "host_cpu": HostCpu::detect(),
+            "host_cpu": host,
             "seconds": started.elapsed().as_secs_f64(),
             "measured": m,
             "profile": profile,
