@@ -27,14 +27,15 @@ WARMUP=${WARMUP:-3}
 cargo build --release -p lt-cli >&2
 LT=${CARGO_TARGET_DIR:-target}/release/lt
 OUT=$(mktemp)
-trap 'rm -f "$OUT"' EXIT
+HUMAN=$(mktemp)
+trap 'rm -f "$OUT" "$HUMAN"' EXIT
 
 for r in $(seq 1 "$REPEATS"); do
     echo "round $r/$REPEATS" >&2
     for cfg in "adamw8bit bf16 none" "adamw8bit bf16 bf16" "adamw8bit f32 none" "adamw bf16 none" "adamw f32 none"; do
         set -- $cfg
         "$LT" bench optimizer --optimizer "$1" --grad-dtype "$2" --write-copy "$3" --params "$PARAMS" \
-            --threads "$THREADS" --steps "$STEPS" --warmup "$WARMUP" --json | tail -n 1 >> "$OUT"
+            --threads "$THREADS" --steps "$STEPS" --warmup "$WARMUP" --json 2> >(tee "$HUMAN" >&2) | tail -n 1 >> "$OUT"
     done
     python3 tools/bench/torch_adamw.py --impl torch-fused --params "$PARAMS" --threads "$THREADS" \
         --steps "$STEPS" --warmup "$WARMUP" 2>/dev/null | tail -n 1 >> "$OUT"
@@ -42,6 +43,8 @@ for r in $(seq 1 "$REPEATS"); do
         --steps 2 --warmup 1 2>/dev/null | tail -n 1 >> "$OUT"
 done
 
+# Host speeds hold for this CPU only: lt's own label, from the end of its last summary line.
+sed -n 's/.*; host /host: /p' "$HUMAN"
 python3 - "$OUT" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip().startswith("{")]
@@ -59,13 +62,6 @@ base_key = ("torch-fused", "f32", "none")
 base = med.get(base_key)
 kernel = next((x.get("kernel") for x in rows if x.get("kernel")), "n/a")
 print(f"lt 8-bit kernel: {kernel}")
-# Host speeds hold for this CPU only: name it (lt's label: model name, family/model, SIMD).
-host = next((x["host_cpu"] for x in rows if x.get("host_cpu")), None)
-if host:
-    ids = " ".join(str(v) for v in [host.get("vendor"),
-                                     host.get("family") is not None and f"family {host['family']}",
-                                     host.get("model") is not None and f"model {host['model']}"] if v)
-    print(f"host: {host['name']} ({ids}), {host['logical_cpus']} logical CPUs, SIMD {' '.join(host['simd']) or 'none'}")
 print(f"{'optimizer':<12} {'grads':<5} {'copy':<5} {'runs':>4} {'Gparam/s':>9} {'min..max':>13} {'x torch fused':>13} "
       f"{'B/param moved':>13} {'GB/s':>6} {'state B/param':>13}")
 for key, v in sorted(groups.items(), key=lambda kv: -med[kv[0]]):
