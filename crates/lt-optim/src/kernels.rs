@@ -21,10 +21,11 @@
 //! - Two AVX-512 kernels: the *gather* kernel (`x86::q8_blocks_avx512`) dequantizes with gathers
 //!   and re-quantizes each block after its update; the *permute* kernel
 //!   (`x86::q8_blocks_avx512_vbmi`, AVX-512 VBMI) dequantizes and packs codes with byte permutes
-//!   and software-pipelines: block `k - 1`'s re-quantization (which needs that block's final
-//!   absmax) is interleaved with block `k`'s update, so memory traffic stays uniform. Which one is
-//!   faster depends on the core (below): permutes on AMD, gathers elsewhere
-//!   (`crate::simd::q8_permute_dequant`, `LT_OPTIM_Q8_DEQUANT=gather|permute` to override).
+//!   and, by default, finds the new codes with the affine code finder (`crate::affine`: register
+//!   permutes, an estimate and one exact threshold compare, no gather;
+//!   `LT_OPTIM_Q8_QUANT=table|affine` to override). Which kernel is faster depends on the core
+//!   (below): permutes on AMD, gathers elsewhere (`crate::simd::q8_permute_dequant`,
+//!   `LT_OPTIM_Q8_DEQUANT=gather|permute` to override).
 //! - Every SIMD kernel prefetches parameters, gradients and codes 512 elements ahead
 //!   (`x86::PREFETCH_AHEAD`): with the quantization work filling the out-of-order window, the
 //!   hardware prefetchers alone left the update waiting on memory at DRAM sizes.
@@ -161,6 +162,21 @@
 //! close to the bare minimum of this scheme (four table reads of two instructions each, plus the
 //! arithmetic), so no compiler-level rearrangement closes the gap on this core.
 //!
+//! # The AVX-512 permute kernel on AMD Zen 4, measured
+//! AMD EPYC (family 25 model 17, Zen 4, AVX-512 with VBMI and BF16; 2 vCPUs under KVM; zmm
+//! `vpaddd` 2 per cycle, `vpermi2b`/`vpermps`/`vfmadd` 1 per cycle by independent chains), 2026-12-03,
+//! bf16 gradients with the copy. At 64M parameters on 2 threads the permute kernel with bucket-table
+//! gathers ran at 0.47x torch's fused AdamW (`tools/bench_optimizer_vs_torch.sh 64M 2 3`: 0.82
+//! against 1.76 Gparam/s), and the AVX2 kernel was as fast as it in L2 (0.227 against 0.233 ms
+//! per step at 128K, 1 thread). Ablations (128K, 1 thread, best of interleaved runs): without
+//! re-quantization 0.078 against 0.234 ms, so re-quantization was two thirds of the kernel; a
+//! 16-lane `vpgatherdd` from an L1 table alone took 5.4 ns (about 19 cycles), the whole gathered
+//! lookup 10.5-11 ns per 16 lanes; without division and square root no faster. The affine code
+//! finder does the same 16 lanes in 4.2-4.7 ns (microbenchmark) and took the kernel to 0.174-0.19
+//! ms against 0.236-0.26 with the table, same bits; re-quantizing each block right after its
+//! update instead of pipelining it into the next block's update gave another 9% (0.161 against
+//! 0.177 ms) and 44.5 against 54.8 ms per step at 64M on 2 threads.
+//!
 //! Every SIMD kernel does the reference's f32 operations in the reference's order, so parameters,
 //! codes and absmax are bit-identical on every path (tested on random data and on edge cases: every
 //! map transition +-1 ulp, zeros, subnormals, NaN, overflow, ragged blocks). They differ from
@@ -253,6 +269,9 @@ pub(crate) struct KernelPath {
     pub bf16_hw: bool,
     /// AVX2: the 8-bit kernel's table lookups with scalar loads instead of gathers.
     pub loads: bool,
+    /// AVX-512 VBMI kernel: re-quantization by the affine code finder (`crate::affine`, held in
+    /// registers) instead of gathers from the bucket table, for maps that have one.
+    pub affine: bool,
 }
 
 impl KernelPath {
@@ -266,13 +285,14 @@ impl KernelPath {
             permute: avx512 && crate::simd::q8_permute_dequant(),
             bf16_hw: avx512 && crate::simd::has_avx512bf16(),
             loads: level == SimdLevel::Avx2 && crate::simd::q8_avx2_loads(),
+            affine: avx512 && crate::simd::q8_affine_quant(),
         }
     }
 
     /// The plain path of a level (gathers, integer bf16 rounding).
     #[cfg(test)]
     pub(crate) fn plain(level: SimdLevel) -> KernelPath {
-        KernelPath { level, permute: false, bf16_hw: false, loads: false }
+        KernelPath { level, permute: false, bf16_hw: false, loads: false, affine: false }
     }
 }
 
@@ -518,13 +538,22 @@ fn q8_run<G: GradElem>(p: &mut [f32], cp: &mut [bf16], g: &[G], mut s: Q8Slices<
                 &Coeffs,
                 QuantMaps,
             );
-            let kernel: Kernel<G> = match (path.permute && b.is_multiple_of(64), copy) {
-                (true, NO_COPY) => x86::q8_blocks_avx512_vbmi::<G, NO_COPY>,
-                (true, COPY_INT) => x86::q8_blocks_avx512_vbmi::<G, COPY_INT>,
-                (true, _) => x86::q8_blocks_avx512_vbmi::<G, COPY_HW>,
-                (false, NO_COPY) => x86::q8_blocks_avx512::<G, NO_COPY>,
-                (false, COPY_INT) => x86::q8_blocks_avx512::<G, COPY_INT>,
-                (false, _) => x86::q8_blocks_avx512::<G, COPY_HW>,
+            let permute = path.permute && b.is_multiple_of(64);
+            // The affine code finder needs both maps in its form (the default maps are).
+            let affine = permute
+                && path.affine
+                && s.maps.signed.affine().is_some_and(|a| a.signed)
+                && s.maps.unsigned.affine().is_some_and(|a| !a.signed);
+            let kernel: Kernel<G> = match (permute, affine, copy) {
+                (true, false, NO_COPY) => x86::q8_blocks_avx512_vbmi::<G, NO_COPY, false>,
+                (true, false, COPY_INT) => x86::q8_blocks_avx512_vbmi::<G, COPY_INT, false>,
+                (true, false, _) => x86::q8_blocks_avx512_vbmi::<G, COPY_HW, false>,
+                (true, true, NO_COPY) => x86::q8_blocks_avx512_vbmi::<G, NO_COPY, true>,
+                (true, true, COPY_INT) => x86::q8_blocks_avx512_vbmi::<G, COPY_INT, true>,
+                (true, true, _) => x86::q8_blocks_avx512_vbmi::<G, COPY_HW, true>,
+                (false, _, NO_COPY) => x86::q8_blocks_avx512::<G, NO_COPY>,
+                (false, _, COPY_INT) => x86::q8_blocks_avx512::<G, COPY_INT>,
+                (false, _, _) => x86::q8_blocks_avx512::<G, COPY_HW>,
             };
             let cpn = if cp.is_empty() { &mut [][..] } else { &mut cp[..n] };
             // SAFETY: AVX-512F/DQ/BW are present (`path.level` comes from `simd_level`), and VBMI
@@ -654,6 +683,7 @@ mod x86 {
     use half::bf16;
 
     use super::{COPY_HW, Coeffs, NO_COPY, Q8Slices, fp32_generic, q8_scalar_blocks};
+    use crate::affine::{AFFINE_LO_BITS, AffineCodes};
     use crate::config::MAX_BLOCK;
     use crate::copy::bf16_rne;
     use crate::grad::GradElem;
@@ -1194,32 +1224,24 @@ mod x86 {
         }
     }
 
-    /// Everything the interleaved quantization of a finished block needs.
-    #[derive(Clone, Copy)]
-    struct Pending {
-        /// Element offset of the block.
-        base: usize,
-        /// Scratch slot holding its `m` and `v`.
-        slot: usize,
-        /// Reciprocal absmax of `m` and of `v`.
-        rm: __m512,
-        rv: __m512,
-    }
-
-    /// `q8_blocks_avx512` with gather-free dequantization (`dequant64`) and software pipelining:
-    /// the re-quantization of block `k - 1` (which must wait for that block's absmax) is interleaved
-    /// 64 elements at a time with the update of block `k`. The arithmetic is exactly the scalar
-    /// reference's (`q8_block_scalar`), so codes, absmax and parameters are bit-identical to it.
+    /// `q8_blocks_avx512` with gather-free dequantization (`dequant64`), and with `AFFINE`
+    /// gather-free re-quantization (`affine64`). Per block: one loop updates the moments and the
+    /// weights 64 elements at a time (the moments into an L1 scratch), then, once the block's
+    /// absmax is known, one loop finds the new codes from the scratch. The arithmetic is exactly
+    /// the scalar reference's (`q8_block_scalar`), so codes, absmax and parameters are
+    /// bit-identical to it.
     ///
-    /// Why interleave: quantization reads only L1 scratch, so done block after block it leaves the
-    /// memory streams idle half of the time and the hardware prefetchers stop running ahead; the
-    /// update then pays compute time plus memory time. Interleaved, memory demand is uniform.
+    /// The re-quantization used to be software-pipelined (block `k - 1`'s interleaved with block
+    /// `k`'s update, to keep the memory streams busy); with the gathers gone, on Zen 4, the plain
+    /// order is faster: 44.5 against 54.8 ms per step at 64M parameters on 2 threads, 0.161 against
+    /// 0.177 ms at 128K on 1 (best of interleaved runs, bf16 gradients with the copy): the
+    /// pipelined iteration was too long for the out-of-order window to overlap its two halves.
     ///
     /// # Safety
     /// As `q8_blocks_avx512`, plus AVX-512 VBMI, and `block` a multiple of 64.
     #[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vbmi")]
     #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn q8_blocks_avx512_vbmi<G: GradElem, const COPY: u8>(
+    pub(super) unsafe fn q8_blocks_avx512_vbmi<G: GradElem, const COPY: u8, const AFFINE: bool>(
         p: &mut [f32],
         cp: &mut [bf16],
         g: &[G],
@@ -1233,11 +1255,17 @@ mod x86 {
     ) {
         let (sm, um) = (maps.signed, maps.unsigned);
         let (splanes, uplanes) = (sm.planes(), um.planes());
-        let luts = sm.lut_params().zip(um.lut_params()).map(|(s, u)| (LutKernel::new(&s), LutKernel::new(&u)));
-        // Two slots of (m, v) scratch, `block` floats each: slot s holds m at 2s and v at 2s + 1.
-        // Uninitialised: every element is written by the update before it is read.
-        let mut scratch = [MaybeUninit::<f32>::uninit(); 4 * MAX_BLOCK];
-        let sp = scratch.as_mut_ptr() as *mut f32;
+        // With AFFINE the codes come from the affine code finders (the caller checked that both
+        // maps have one), else from the bucket tables; `None`: the scalar rule for every block.
+        let quant = if AFFINE {
+            sm.affine().zip(um.affine()).map(|(s, u)| Quant64::Affine(Affine64::new(s), Affine64::new(u)))
+        } else {
+            sm.lut_params().zip(um.lut_params()).map(|(s, u)| Quant64::Table(LutKernel::new(&s), LutKernel::new(&u)))
+        };
+        // The block's m and v: `block` floats each. Uninitialised: every element is written by the
+        // update before it is read.
+        let mut scratch = [MaybeUninit::<f32>::uninit(); 2 * MAX_BLOCK];
+        let (tm, tv) = (scratch.as_mut_ptr() as *mut f32, (scratch.as_mut_ptr() as *mut f32).wrapping_add(block));
         let (pp, gp, qmp, qvp) = (p.as_mut_ptr(), g.as_ptr(), qm.as_mut_ptr(), qv.as_mut_ptr());
         let cpp = cp.as_mut_ptr();
         let decay = _mm512_set1_ps(c.decay);
@@ -1247,28 +1275,15 @@ mod x86 {
         let eps = _mm512_set1_ps(c.eps);
         let neg_step = _mm512_set1_ps(c.neg_step);
         let mag = _mm512_set1_epi32(0x7fff_ffff);
-        let mut pending: Option<Pending> = None;
-        for k in 0..=am.len() {
-            let Some(&a_old) = am.get(k) else {
-                // After the last block: only the pending quantization is left.
-                if let (Some(q), Some(l)) = (pending, luts) {
-                    for j in (0..block).step_by(64) {
-                        // SAFETY: as in the loop below.
-                        unsafe { quant64(q, j, block, sp, qmp, qvp, &l) };
-                    }
-                }
-                break;
-            };
+        for k in 0..am.len() {
             let base = k * block;
-            let slot = k % 2;
-            let (tm, tv) = (sp.wrapping_add(2 * slot * block), sp.wrapping_add((2 * slot + 1) * block));
-            let am_b1 = _mm512_set1_ps(a_old * c.beta1);
+            let am_b1 = _mm512_set1_ps(am[k] * c.beta1);
             let av_b2 = _mm512_set1_ps(av[k] * c.beta2);
             let mut maxm = _mm512_setzero_si512();
             let mut maxv = _mm512_setzero_si512();
             for j in (0..block).step_by(64) {
                 // SAFETY: base + j + 64 <= (k + 1) * block <= the length of p, g, qm and qv (and of
-                // cp with a copy); the scratch slot has `block` <= MAX_BLOCK floats per moment,
+                // cp with a copy); the scratch has `block` <= MAX_BLOCK floats per moment,
                 // j + 64 <= block.
                 unsafe {
                     prefetch64(base + j + PREFETCH_AHEAD, pp, gp, qmp, qvp);
@@ -1299,12 +1314,9 @@ mod x86 {
                         // set sign bit (a default NaN) also lands above infinity and takes the exact path.
                         maxv = _mm512_max_epu32(maxv, _mm512_castps_si512(v1));
                     }
-                    if let (Some(q), Some(l)) = (pending, &luts) {
-                        quant64(q, j, block, sp, qmp, qvp, l);
-                    }
                 }
             }
-            // SAFETY: the loop above wrote all `block` floats of both moments of this slot.
+            // SAFETY: the loop above wrote all `block` floats of both moments.
             let (tmb, tvb) = unsafe { (std::slice::from_raw_parts(tm, block), std::slice::from_raw_parts(tv, block)) };
             let (bm, bv) = (_mm512_reduce_max_epu32(maxm), _mm512_reduce_max_epu32(maxv));
             let nan = bm > 0x7f80_0000 || bv > 0x7f80_0000;
@@ -1315,14 +1327,20 @@ mod x86 {
             };
             am[k] = a_m;
             av[k] = a_v;
-            pending = None;
-            if !nan && luts.is_some() && fast_absmax(a_m) && fast_absmax(a_v) {
-                pending = Some(Pending { base, slot, rm: _mm512_set1_ps(1.0 / a_m), rv: _mm512_set1_ps(1.0 / a_v) });
-            } else {
-                // The scalar path (NaN, an absmax outside the fast range, or a map without the
-                // SIMD table), right away.
-                sm.quantize_block_with(tmb, a_m, &mut qm[base..base + block]);
-                um.quantize_block_with(tvb, a_v, &mut qv[base..base + block]);
+            match &quant {
+                Some(how) if !nan && fast_absmax(a_m) && fast_absmax(a_v) => {
+                    let (rm, rv) = (_mm512_set1_ps(1.0 / a_m), _mm512_set1_ps(1.0 / a_v));
+                    for j in (0..block).step_by(64) {
+                        // SAFETY: j + 64 <= block: within the scratch and the block's codes.
+                        unsafe { quant64(tm.add(j), tv.add(j), rm, rv, qmp.add(base + j), qvp.add(base + j), how) };
+                    }
+                }
+                _ => {
+                    // The scalar path (NaN, an absmax outside the fast range, or a map without the
+                    // SIMD table).
+                    sm.quantize_block_with(tmb, a_m, &mut qm[base..base + block]);
+                    um.quantize_block_with(tvb, a_v, &mut qv[base..base + block]);
+                }
             }
         }
     }
@@ -1336,37 +1354,145 @@ mod x86 {
         a >= f32::from_bits(0x2180_0000) && a <= f32::from_bits(0x5d80_0000)
     }
 
-    /// Quantizes elements `j..j + 64` of the pending block from its scratch slot.
+    /// How the VBMI kernel finds the new codes: gathers from both maps' bucket tables, or both
+    /// maps' affine code finders.
+    #[derive(Clone, Copy)]
+    enum Quant64 {
+        Table(LutKernel, LutKernel),
+        Affine(Affine64, Affine64),
+    }
+
+    /// The codes of the 64 values at `xm` (first moment, times `rm`) and at `xv` (second moment,
+    /// times `rv`), stored at `qm` and `qv`.
     ///
     /// # Safety
-    /// `q.base + block` must be within `qm` and `qv`, `j + 64 <= block`, and slot `q.slot` of
-    /// `sp` (see `q8_blocks_avx512_vbmi`) must hold the block's values.
+    /// 64 floats must be readable at `xm` and `xv` and 64 bytes writable at `qm` and `qv`; the
+    /// reciprocals must pass `fast_absmax` for their moments' values (see `affine64`).
     #[inline]
     #[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vbmi")]
-    unsafe fn quant64(
-        q: Pending,
-        j: usize,
-        block: usize,
-        sp: *const f32,
-        qm: *mut u8,
-        qv: *mut u8,
-        l: &(LutKernel, LutKernel),
-    ) {
-        let (xm, xv) = (sp.wrapping_add(2 * q.slot * block + j), sp.wrapping_add((2 * q.slot + 1) * block + j));
-        let mut cm = [_mm512_setzero_si512(); 4];
-        let mut cv = [_mm512_setzero_si512(); 4];
-        for s in 0..4 {
-            // SAFETY: j + 16 * s + 16 <= block floats of the slot (caller).
+    unsafe fn quant64(xm: *const f32, xv: *const f32, rm: __m512, rv: __m512, qm: *mut u8, qv: *mut u8, how: &Quant64) {
+        // SAFETY: the caller's.
+        unsafe {
+            let (cm, cv) = match how {
+                Quant64::Table(ls, lu) => {
+                    let mut cm = [_mm512_setzero_si512(); 4];
+                    let mut cv = [_mm512_setzero_si512(); 4];
+                    for s in 0..4 {
+                        cm[s] = lookup::<true, 0, 0>(_mm512_mul_ps(_mm512_loadu_ps(xm.add(16 * s)), rm), ls);
+                        cv[s] = lookup::<false, 0, 0>(_mm512_mul_ps(_mm512_loadu_ps(xv.add(16 * s)), rv), lu);
+                    }
+                    (pack64(cm), pack64(cv))
+                }
+                Quant64::Affine(am, av) => (affine64::<true>(xm, rm, am), affine64::<false>(xv, rv, av)),
+            };
+            _mm512_storeu_si512(qm as *mut __m512i, cm);
+            _mm512_storeu_si512(qv as *mut __m512i, cv);
+        }
+    }
+
+    /// An `AffineCodes` for the kernel: the binade and run tables in registers, the threshold
+    /// planes read from the map (four 256-byte tables, L1-resident).
+    #[derive(Clone, Copy)]
+    struct Affine64 {
+        switch: [__m512i; 2],
+        a: __m512,
+        b: __m512,
+        planes: *const [u8; 256],
+    }
+
+    impl Affine64 {
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        fn new(t: &AffineCodes) -> Affine64 {
+            // SAFETY: each array holds 32 (or 16) 32-bit values, read as whole vectors.
             unsafe {
-                cm[s] = lookup::<true, 0, 0>(_mm512_mul_ps(_mm512_loadu_ps(xm.add(16 * s)), q.rm), &l.0);
-                cv[s] = lookup::<false, 0, 0>(_mm512_mul_ps(_mm512_loadu_ps(xv.add(16 * s)), q.rv), &l.1);
+                let v = |p: *const u32| _mm512_loadu_si512(p as *const __m512i);
+                Affine64 {
+                    switch: [v(t.switch.as_ptr()), v(t.switch.as_ptr().add(16))],
+                    a: _mm512_loadu_ps(t.a.as_ptr()),
+                    b: _mm512_loadu_ps(t.b.as_ptr()),
+                    planes: t.planes.as_ptr(),
+                }
             }
         }
-        // SAFETY: q.base + j + 64 <= q.base + block, within both code slices (caller).
-        unsafe {
-            _mm512_storeu_si512(qm.add(q.base + j) as *mut __m512i, pack64(cm));
-            _mm512_storeu_si512(qv.add(q.base + j) as *mut __m512i, pack64(cv));
+    }
+
+    /// The codes of the 64 normalised values `x[0..64] * r`, one byte each in element order: the
+    /// lane-parallel form of `AffineCodes::code` (same operations in the same order, so the same
+    /// bits). `SIGNED` must be the map's. No table is gathered: the run and binade tables are
+    /// register permutes, and the 64 thresholds are four byte-plane permutes
+    /// (`vpermi2b`, one per plane for the signed map's 128 entries, two and a blend for the
+    /// unsigned map's 255), interleaved back into lanes by the unpacks that undo the packing.
+    ///
+    /// # Safety
+    /// `x..x + 64` must be readable; `x * r` must not be NaN and at most a few ulp above 1 in
+    /// magnitude (`fast_absmax`), and non-negative for the unsigned map.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vbmi")]
+    unsafe fn affine64<const SIGNED: bool>(x: *const f32, r: __m512, t: &Affine64) -> __m512i {
+        let lo = _mm512_castsi512_ps(_mm512_set1_epi32(AFFINE_LO_BITS as i32));
+        let one = _mm512_set1_epi32(1);
+        let mut est = [_mm512_setzero_si512(); 4];
+        let mut key = [_mm512_setzero_si512(); 4];
+        let mut neg = [0u16; 4];
+        for s in 0..4 {
+            // SAFETY: s < 4, within the 64 readable floats (caller).
+            let q = _mm512_mul_ps(unsafe { _mm512_loadu_ps(x.add(16 * s)) }, r);
+            // |q| raised to 2^-31 (`vrangeps`: the larger magnitude, sign cleared).
+            let mag = if SIGNED { _mm512_range_ps::<0b1011>(q, lo) } else { _mm512_max_ps(q, lo) };
+            let mb = _mm512_castps_si512(mag);
+            // The binade's entry (`vpermt2d` reads the index's low 5 bits: binades 96..=127).
+            let e = _mm512_srli_epi32::<23>(mb);
+            let sw = _mm512_permutex2var_epi32(t.switch[0], e, t.switch[1]);
+            let rl = _mm512_and_si512(sw, _mm512_set1_epi32(15));
+            let run = _mm512_mask_add_epi32(rl, _mm512_cmpge_epu32_mask(mb, sw), rl, one);
+            let f = _mm512_fmadd_ps(mag, _mm512_permutexvar_ps(run, t.a), _mm512_permutexvar_ps(run, t.b));
+            est[s] = _mm512_cvt_roundps_epi32::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(f);
+            let bits = _mm512_castps_si512(q);
+            key[s] = if SIGNED { _mm512_rol_epi32::<1>(bits) } else { bits };
+            if SIGNED {
+                neg[s] = _mm512_movepi32_mask(bits);
+            }
         }
+        // The 64 estimates (0..=254, proven at build time) as bytes: byte j of 128-bit lane l is
+        // lane 4l + j % 4 of est[j / 4].
+        let idx = _mm512_packus_epi16(_mm512_packus_epi32(est[0], est[1]), _mm512_packus_epi32(est[2], est[3]));
+        let high = _mm512_movepi8_mask(idx);
+        let plane = |k: usize| {
+            // SAFETY: plane k < 4 of the map's four 256-byte planes, read as four 64-byte vectors.
+            let v = |o: usize| unsafe { _mm512_loadu_si512(t.planes.add(k).cast::<u8>().add(o) as *const __m512i) };
+            let low = _mm512_permutex2var_epi8(v(0), idx, v(64));
+            if SIGNED { low } else { _mm512_mask_blend_epi8(high, low, _mm512_permutex2var_epi8(v(128), idx, v(192))) }
+        };
+        let (p0, p1, p2, p3) = (plane(0), plane(1), plane(2), plane(3));
+        // Byte j of each 128-bit lane l came from lane 4l + j % 4 of est[j / 4]; these unpacks put
+        // the four bytes of that threshold back into that lane of th[j / 4].
+        let w01l = _mm512_unpacklo_epi8(p0, p1);
+        let w01h = _mm512_unpackhi_epi8(p0, p1);
+        let w23l = _mm512_unpacklo_epi8(p2, p3);
+        let w23h = _mm512_unpackhi_epi8(p2, p3);
+        let th = [
+            _mm512_unpacklo_epi16(w01l, w23l),
+            _mm512_unpackhi_epi16(w01l, w23l),
+            _mm512_unpacklo_epi16(w01h, w23h),
+            _mm512_unpackhi_epi16(w01h, w23h),
+        ];
+        let c127 = _mm512_set1_epi32(127);
+        let mut code = [_mm512_setzero_si512(); 4];
+        for s in 0..4 {
+            let u = _mm512_mask_add_epi32(est[s], _mm512_cmpge_epu32_mask(key[s], th[s]), est[s], one);
+            // Signed: 127 + u, or 127 - u on the negative side (-1 for u = 128 becomes 0, the
+            // nearest negative code).
+            code[s] = if SIGNED {
+                _mm512_max_epi32(
+                    _mm512_mask_sub_epi32(_mm512_add_epi32(u, c127), neg[s], c127, u),
+                    _mm512_setzero_si512(),
+                )
+            } else {
+                u
+            };
+        }
+        pack64(code)
     }
 
     /// `LutParams` in AVX2 registers (see `LutKernel`).
@@ -1688,7 +1814,9 @@ mod tests {
         if simd_level() >= SimdLevel::Avx512 {
             for permute in [false, true].into_iter().filter(|&p| !p || crate::simd::has_vbmi()) {
                 for bf16_hw in [false, true].into_iter().filter(|&h| !h || crate::simd::has_avx512bf16()) {
-                    v.push(KernelPath { level: SimdLevel::Avx512, permute, bf16_hw, loads: false });
+                    for affine in [false, permute] {
+                        v.push(KernelPath { level: SimdLevel::Avx512, permute, bf16_hw, loads: false, affine });
+                    }
                 }
             }
         }

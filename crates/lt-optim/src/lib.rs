@@ -46,6 +46,7 @@
 //! ```
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
 
+mod affine;
 mod checkpoint;
 mod config;
 mod copy;

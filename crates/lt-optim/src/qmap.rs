@@ -48,6 +48,7 @@
 
 use std::sync::OnceLock;
 
+use crate::affine::AffineCodes;
 use crate::qmap_tables::{SIGNED_MAP_BITS, UNSIGNED_MAP_BITS};
 
 const ONE_BITS: u32 = 0x3f80_0000;
@@ -76,6 +77,8 @@ pub struct QuantMap {
     unit_lut: Vec<u32>,
     /// `planes[b][j]` = byte `b` of `code[j]`'s bits: dequantization by byte shuffles (SIMD).
     planes: Box<[[u8; 256]; 4]>,
+    /// The affine code finder of the SIMD kernels (`crate::affine`), when the map has its layout.
+    affine: Option<AffineCodes>,
     /// Magnitude bits are clamped to `[lo, ONE_BITS]`; everything below `lo` quantizes like `lo`.
     lo: u32,
     lo_key: u32,
@@ -118,10 +121,12 @@ impl QuantMap {
                 plane[j] = c.to_bits().to_le_bytes()[b];
             }
         }
+        let affine = AffineCodes::build(&code, &pos, &neg);
         let mut map = QuantMap {
             code,
             pos,
             neg,
+            affine,
             lut: Vec::new(),
             unit_lut: Vec::new(),
             planes,
@@ -265,6 +270,12 @@ impl QuantMap {
             shift: self.shift,
             buckets: self.buckets,
         })
+    }
+
+    /// The affine code finder (`crate::affine`), built and verified for maps with bitsandbytes'
+    /// run layout and a nearest-code rule; `None` otherwise.
+    pub(crate) fn affine(&self) -> Option<&AffineCodes> {
+        self.affine.as_ref()
     }
 
     /// The code table as four byte planes (for the SIMD dequantization).
@@ -527,6 +538,53 @@ pub(crate) mod tests {
             }
             assert_eq!(map.quantize(f32::NAN), 0);
             assert_eq!(map.quantize_reference(f32::NAN), 0);
+        }
+    }
+
+    /// The affine code finder exists for both default maps, and on every probe (every transition
+    /// +-64 ulp on both sides, codes, midpoints, subnormals, the values a few ulp above 1.0 that a
+    /// rounded reciprocal can give) and on random floats it gives the rule's code; the build-time
+    /// proof (`AffineCodes::verify`) covers every other f32.
+    #[test]
+    fn affine_codes_equal_the_rule() {
+        let mut rng = SplitMix64::new(12);
+        for (name, map) in maps() {
+            let aff = map.affine().unwrap_or_else(|| panic!("{name}: no affine form"));
+            assert_eq!(aff.signed, name == "signed");
+            let mut xs: Vec<f32> =
+                probes(map).into_iter().filter(|x| x.abs() <= 1.0 || x.is_finite() && x.abs() < 1.00001).collect();
+            for b in ONE_BITS..ONE_BITS + 8 {
+                xs.extend([f32::from_bits(b), -f32::from_bits(b)]);
+            }
+            for _ in 0..200_000 {
+                let e = (rng.next_u64() % 34) as i32;
+                xs.push((rng.uniform() * 2f32.powi(-e)).clamp(-1.0, 1.0));
+            }
+            for x in xs {
+                let x = if name == "unsigned" { x.abs() } else { x };
+                assert_eq!(aff.code(x), map.quantize(x), "{name}: x = {x:e} ({:#x})", x.to_bits());
+            }
+        }
+        // bitsandbytes' CPU rule is not nearest-code near zero: its maps get no affine form (and
+        // the kernels use the bucket table for them).
+        let b = bnb_cpu_maps();
+        assert!(b.signed.affine().is_none() && b.unsigned.affine().is_none());
+    }
+
+    /// The proof in `AffineCodes::verify` rejects parameters that are off: slopes 2% too steep
+    /// break the "true index or one below" bound near the top of a run, and must be refused.
+    #[test]
+    fn affine_verification_rejects_a_wrong_slope() {
+        for (name, map) in maps() {
+            let good = map.affine().unwrap_or_else(|| panic!("{name}"));
+            let mut bad = good.clone();
+            for a in bad.a.iter_mut() {
+                *a *= 1.02;
+            }
+            let top = if good.signed { 128 } else { 255 };
+            let (_, _, tp, tn) = crate::affine::by_index(map.code(), &map.pos, &map.neg).unwrap();
+            assert!(good.verify(top, &tp, &tn), "{name}");
+            assert!(!bad.verify(top, &tp, &tn), "{name}: a wrong slope passed");
         }
     }
 

@@ -67,6 +67,16 @@ pub(crate) fn q8_permute_dequant() -> bool {
     *PERMUTE.get_or_init(|| amd_unless_env("LT_OPTIM_Q8_DEQUANT", "gather", "permute") && has_vbmi())
 }
 
+/// Whether the AVX-512 VBMI kernel finds new codes with the affine code finder (`crate::affine`:
+/// register permutes and one exact threshold compare) rather than by gathering from the bucket
+/// table. Both give the same bits; on AMD Zen 4 a 16-lane `vpgatherdd` took about 20 cycles and
+/// the finder re-quantizes 16 lanes in about 16, with no gather (see `kernels`).
+/// `LT_OPTIM_Q8_QUANT=table` or `=affine` overrides the default (affine). Read once per process.
+pub(crate) fn q8_affine_quant() -> bool {
+    static AFFINE: OnceLock<bool> = OnceLock::new();
+    *AFFINE.get_or_init(|| named_or(std::env::var("LT_OPTIM_Q8_QUANT").ok().as_deref(), "table", "affine", true))
+}
+
 /// Whether the AVX2 8-bit kernel reads its tables with scalar loads rather than gathers. Both give
 /// the same bits; on AMD Zen 3 an 8-lane `vpgatherdd` measured 0.7-1.1 ns per lane against
 /// 0.4-0.5 ns per scalar load + insert (the kernel does four table reads per parameter), while
@@ -93,10 +103,12 @@ fn named_or(value: Option<&str>, off: &str, on: &str, default: bool) -> bool {
     }
 }
 
-/// The name of the 8-bit kernel family in use: `avx512-permute`, `avx512-gather`, `avx2-loads`,
-/// `avx2-gather` or `scalar` (for benchmark reports; see [`simd_level`] and `LT_OPTIM_Q8_DEQUANT`).
+/// The name of the 8-bit kernel family in use: `avx512-permute-affine`, `avx512-permute`,
+/// `avx512-gather`, `avx2-loads`, `avx2-gather` or `scalar` (for benchmark reports; see
+/// [`simd_level`], `LT_OPTIM_Q8_DEQUANT` and `LT_OPTIM_Q8_QUANT`).
 pub fn q8_kernel_name() -> &'static str {
     match simd_level() {
+        SimdLevel::Avx512 if q8_permute_dequant() && q8_affine_quant() => "avx512-permute-affine",
         SimdLevel::Avx512 if q8_permute_dequant() => "avx512-permute",
         SimdLevel::Avx512 => "avx512-gather",
         SimdLevel::Avx2 if q8_avx2_loads() => "avx2-loads",
