@@ -1383,7 +1383,7 @@ mod x86 {
                     }
                     (pack64(cm), pack64(cv))
                 }
-                Quant64::Affine(am, av) => (affine64::<true>(xm, rm, am), affine64::<false>(xv, rv, av)),
+                Quant64::Affine(am, av) => affine64(xm, rm, am, xv, rv, av),
             };
             _mm512_storeu_si512(qm as *mut __m512i, cm);
             _mm512_storeu_si512(qv as *mut __m512i, cv);
@@ -1417,24 +1417,51 @@ mod x86 {
         }
     }
 
+    /// The first half of `affine64`: each lane's estimate, key and sign.
+    struct Estimates {
+        est: [__m512i; 4],
+        key: [__m512i; 4],
+        neg: [u16; 4],
+    }
+
     /// The codes of the 64 normalised values `x[0..64] * r`, one byte each in element order: the
     /// lane-parallel form of `AffineCodes::code` (same operations in the same order, so the same
-    /// bits). `SIGNED` must be the map's. No table is gathered: the run and binade tables are
-    /// register permutes, and the 64 thresholds are four byte-plane permutes
-    /// (`vpermi2b`, one per plane for the signed map's 128 entries, two and a blend for the
-    /// unsigned map's 255), interleaved back into lanes by the unpacks that undo the packing.
+    /// bits), for both moments at once (`xm`, `rm` with the signed map `tm`; `xv`, `rv` with the
+    /// unsigned map `tv`), their steps interleaved so that the two chains overlap. No table is
+    /// gathered: the binade and run tables are register permutes, and the 64 thresholds are byte-
+    /// plane permutes (`vpermi2b`, one per plane for the signed map's 128 entries, two and a blend
+    /// for the unsigned map's 255), interleaved back into lanes by the unpacks that undo the
+    /// packing.
     ///
     /// # Safety
-    /// `x..x + 64` must be readable; `x * r` must not be NaN and at most a few ulp above 1 in
-    /// magnitude (`fast_absmax`), and non-negative for the unsigned map.
+    /// 64 floats must be readable at `xm` and `xv`; the normalised values must not be NaN and at
+    /// most a few ulp above 1 in magnitude (`fast_absmax`), and the second moment's non-negative.
     #[inline]
     #[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vbmi")]
-    unsafe fn affine64<const SIGNED: bool>(x: *const f32, r: __m512, t: &Affine64) -> __m512i {
+    unsafe fn affine64(
+        xm: *const f32,
+        rm: __m512,
+        tm: &Affine64,
+        xv: *const f32,
+        rv: __m512,
+        tv: &Affine64,
+    ) -> (__m512i, __m512i) {
+        // SAFETY: the caller's.
+        let (em, ev) = unsafe { (estimates::<true>(xm, rm, tm), estimates::<false>(xv, rv, tv)) };
+        let (hm, hv) = (thresholds::<true>(&em, tm), thresholds::<false>(&ev, tv));
+        (finish::<true>(&em, hm), finish::<false>(&ev, hv))
+    }
+
+    /// Estimates, keys and signs of `x[0..64] * r` (see `affine64`).
+    ///
+    /// # Safety
+    /// As `affine64`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vbmi")]
+    unsafe fn estimates<const SIGNED: bool>(x: *const f32, r: __m512, t: &Affine64) -> Estimates {
         let lo = _mm512_castsi512_ps(_mm512_set1_epi32(AFFINE_LO_BITS as i32));
         let one = _mm512_set1_epi32(1);
-        let mut est = [_mm512_setzero_si512(); 4];
-        let mut key = [_mm512_setzero_si512(); 4];
-        let mut neg = [0u16; 4];
+        let mut e = Estimates { est: [_mm512_setzero_si512(); 4], key: [_mm512_setzero_si512(); 4], neg: [0; 4] };
         for s in 0..4 {
             // SAFETY: s < 4, within the 64 readable floats (caller).
             let q = _mm512_mul_ps(unsafe { _mm512_loadu_ps(x.add(16 * s)) }, r);
@@ -1442,21 +1469,27 @@ mod x86 {
             let mag = if SIGNED { _mm512_range_ps::<0b1011>(q, lo) } else { _mm512_max_ps(q, lo) };
             let mb = _mm512_castps_si512(mag);
             // The binade's entry (`vpermt2d` reads the index's low 5 bits: binades 96..=127).
-            let e = _mm512_srli_epi32::<23>(mb);
-            let sw = _mm512_permutex2var_epi32(t.switch[0], e, t.switch[1]);
+            let sw = _mm512_permutex2var_epi32(t.switch[0], _mm512_srli_epi32::<23>(mb), t.switch[1]);
             let rl = _mm512_and_si512(sw, _mm512_set1_epi32(15));
             let run = _mm512_mask_add_epi32(rl, _mm512_cmpge_epu32_mask(mb, sw), rl, one);
             let f = _mm512_fmadd_ps(mag, _mm512_permutexvar_ps(run, t.a), _mm512_permutexvar_ps(run, t.b));
-            est[s] = _mm512_cvt_roundps_epi32::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(f);
+            e.est[s] = _mm512_cvt_roundps_epi32::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(f);
             let bits = _mm512_castps_si512(q);
-            key[s] = if SIGNED { _mm512_rol_epi32::<1>(bits) } else { bits };
+            e.key[s] = if SIGNED { _mm512_rol_epi32::<1>(bits) } else { bits };
             if SIGNED {
-                neg[s] = _mm512_movepi32_mask(bits);
+                e.neg[s] = _mm512_movepi32_mask(bits);
             }
         }
+        e
+    }
+
+    /// The thresholds `thr[est]` of the 64 lanes, aligned with `e.est`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vbmi")]
+    fn thresholds<const SIGNED: bool>(e: &Estimates, t: &Affine64) -> [__m512i; 4] {
         // The 64 estimates (0..=254, proven at build time) as bytes: byte j of 128-bit lane l is
         // lane 4l + j % 4 of est[j / 4].
-        let idx = _mm512_packus_epi16(_mm512_packus_epi32(est[0], est[1]), _mm512_packus_epi32(est[2], est[3]));
+        let idx = _mm512_packus_epi16(_mm512_packus_epi32(e.est[0], e.est[1]), _mm512_packus_epi32(e.est[2], e.est[3]));
         let high = _mm512_movepi8_mask(idx);
         let plane = |k: usize| {
             // SAFETY: plane k < 4 of the map's four 256-byte planes, read as four 64-byte vectors.
@@ -1465,27 +1498,32 @@ mod x86 {
             if SIGNED { low } else { _mm512_mask_blend_epi8(high, low, _mm512_permutex2var_epi8(v(128), idx, v(192))) }
         };
         let (p0, p1, p2, p3) = (plane(0), plane(1), plane(2), plane(3));
-        // Byte j of each 128-bit lane l came from lane 4l + j % 4 of est[j / 4]; these unpacks put
-        // the four bytes of that threshold back into that lane of th[j / 4].
+        // These unpacks put the four bytes of lane i's threshold back into lane i.
         let w01l = _mm512_unpacklo_epi8(p0, p1);
         let w01h = _mm512_unpackhi_epi8(p0, p1);
         let w23l = _mm512_unpacklo_epi8(p2, p3);
         let w23h = _mm512_unpackhi_epi8(p2, p3);
-        let th = [
+        [
             _mm512_unpacklo_epi16(w01l, w23l),
             _mm512_unpackhi_epi16(w01l, w23l),
             _mm512_unpacklo_epi16(w01h, w23h),
             _mm512_unpackhi_epi16(w01h, w23h),
-        ];
-        let c127 = _mm512_set1_epi32(127);
+        ]
+    }
+
+    /// The 64 codes from the estimates and their thresholds, as bytes in element order.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vbmi")]
+    fn finish<const SIGNED: bool>(e: &Estimates, th: [__m512i; 4]) -> __m512i {
+        let (one, c127) = (_mm512_set1_epi32(1), _mm512_set1_epi32(127));
         let mut code = [_mm512_setzero_si512(); 4];
         for s in 0..4 {
-            let u = _mm512_mask_add_epi32(est[s], _mm512_cmpge_epu32_mask(key[s], th[s]), est[s], one);
+            let u = _mm512_mask_add_epi32(e.est[s], _mm512_cmpge_epu32_mask(e.key[s], th[s]), e.est[s], one);
             // Signed: 127 + u, or 127 - u on the negative side (-1 for u = 128 becomes 0, the
             // nearest negative code).
             code[s] = if SIGNED {
                 _mm512_max_epi32(
-                    _mm512_mask_sub_epi32(_mm512_add_epi32(u, c127), neg[s], c127, u),
+                    _mm512_mask_sub_epi32(_mm512_add_epi32(u, c127), e.neg[s], c127, u),
                     _mm512_setzero_si512(),
                 )
             } else {
