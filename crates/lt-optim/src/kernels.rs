@@ -175,7 +175,14 @@
 //! finder does the same 16 lanes in 4.2-4.7 ns (microbenchmark) and took the kernel to 0.174-0.19
 //! ms against 0.236-0.26 with the table, same bits; re-quantizing each block right after its
 //! update instead of pipelining it into the next block's update gave another 9% (0.161 against
-//! 0.177 ms) and 44.5 against 54.8 ms per step at 64M on 2 threads.
+//! 0.177 ms) and 44.5 against 54.8 ms per step at 64M on 2 threads; interleaving the two moments'
+//! estimate, lookup and finish steps another 17% in L2 (0.149 against 0.179 ms; 43.6 against 45.8
+//! at 64M). Now (0.158 ms in L2) finding codes is 56% of the kernel, dequantization 15%, division
+//! and square root 5%; one thread runs 1.08-1.15 ns per parameter from 128K to 64M, two scale
+//! 1.82-1.86x, and the acceptance script measures 0.82-0.93x torch fused. Tried and not kept:
+//! re-quantizing a whole block per call (the loop inside one non-inlined function, tables hoisted):
+//! 2-3% slower; software prefetch 256/384/768/1024/2048 ahead or into L2 only: no better than 512
+//! (none: 57% slower at 8M on 1 thread).
 //!
 //! Every SIMD kernel does the reference's f32 operations in the reference's order, so parameters,
 //! codes and absmax are bit-identical on every path (tested on random data and on edge cases: every
