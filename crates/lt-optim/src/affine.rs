@@ -29,13 +29,13 @@
 //! between breakpoints checks every f32. A map that fails (another rule, another layout) gets no
 //! affine form and the kernels use the bucket table; the result is identical either way.
 
+#[cfg(test)]
+use crate::qmap::MAG_MASK;
+use crate::qmap::{NEVER, ONE_BITS};
+
 /// Smallest magnitude the estimate distinguishes (2^-31): smaller ones are raised to it, so the
 /// binade index `bits >> 23` is 96..=127 and fits a 32-entry table (`& 31`).
 pub(crate) const AFFINE_LO_BITS: u32 = 0x3000_0000;
-const ONE_BITS: u32 = 0x3f80_0000;
-#[cfg(test)]
-const MAG_MASK: u32 = 0x7fff_ffff;
-const NEVER: u32 = u32::MAX;
 
 /// The parameters of the affine code finder for one map (see the module docs).
 #[derive(Debug, Clone, PartialEq)]
@@ -138,7 +138,7 @@ impl AffineCodes {
 
     /// The estimate for magnitude bits `m` (before the threshold compare), as the SIMD kernel
     /// computes it.
-    pub(crate) fn estimate(&self, m: u32) -> i32 {
+    fn estimate(&self, m: u32) -> i32 {
         let m = m.max(AFFINE_LO_BITS);
         let slot = ((m >> 23) & 31) as usize;
         let entry = self.switch[slot];

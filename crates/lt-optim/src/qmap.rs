@@ -51,10 +51,10 @@ use std::sync::OnceLock;
 use crate::affine::AffineCodes;
 use crate::qmap_tables::{SIGNED_MAP_BITS, UNSIGNED_MAP_BITS};
 
-const ONE_BITS: u32 = 0x3f80_0000;
-const MAG_MASK: u32 = 0x7fff_ffff;
+pub(crate) const ONE_BITS: u32 = 0x3f80_0000;
+pub(crate) const MAG_MASK: u32 = 0x7fff_ffff;
 /// "Never reached" in a transition table.
-const NEVER: u32 = u32::MAX;
+pub(crate) const NEVER: u32 = u32::MAX;
 
 /// A 256-entry quantization map with a fast, exact nearest-code lookup.
 #[derive(Debug, Clone, PartialEq)]
