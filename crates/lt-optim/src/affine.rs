@@ -23,6 +23,9 @@
 //! negative side): where a tie moves the negative transition one ulp below the positive one, the
 //! key threshold is `2 * t - 1`, else `2 * t`.
 //!
+//! [`Rounded`] is the kernels' fast form of the same finder: a fixed-point estimate whose integer
+//! part is the index away from transitions, with this exact form as the fallback near them.
+//!
 //! [`AffineCodes::build`] derives the parameters from the map's values and exact transitions and
 //! then *proves* them against those transitions: the estimate is monotone in the magnitude between
 //! breakpoints (transitions, run switches, binade starts), so checking both ends of every interval
@@ -52,6 +55,9 @@ pub(crate) struct AffineCodes {
     /// Byte planes of the key thresholds: `thr[est]` is the smallest key whose index is
     /// `>= est + 1` (`u32::MAX` past the last index).
     pub(crate) planes: Box<[[u8; 256]; 4]>,
+    /// The rounding form with an ambiguity band (`Rounded`), when it verifies: the kernels' fast
+    /// path, with this struct's exact form as the fallback for the lanes it cannot decide.
+    pub(crate) rounded: Option<Rounded>,
 }
 
 impl AffineCodes {
@@ -132,8 +138,12 @@ impl AffineCodes {
                 p[j] = byte;
             }
         }
-        let aff = AffineCodes { signed, switch, a, b, planes };
-        aff.verify(top, &tp, &tn).then_some(aff)
+        let mut aff = AffineCodes { signed, switch, a, b, planes, rounded: None };
+        if !aff.verify(top, &tp, &tn) {
+            return None;
+        }
+        aff.rounded = Rounded::build(signed, &w, &tp, &tn, &runs);
+        Some(aff)
     }
 
     /// The estimate for magnitude bits `m` (before the threshold compare), as the SIMD kernel
@@ -218,5 +228,171 @@ pub(crate) fn by_index(
         let w = code.iter().map(|&c| c as f64).collect();
         let tp = (0..256).map(|k| if k == 0 { 0 } else { pos[k] }).collect();
         Some((false, w, tp, vec![NEVER; 256]))
+    }
+}
+
+/// The rounding form of the code finder, in fixed point: `H = min(fma(y, A, B), C)` with the
+/// parameters of the run in force at `y`, and `V = trunc(H)`, an integer whose top bits (`V >> 16`)
+/// *are* the magnitude index wherever its low 16 bits are at least `2 * d`. The lanes where they
+/// are not (an *ambiguity band* of about `2 * d / 65536` of a step at each transition, a few lanes
+/// in 10^5) are left to the exact form (`AffineCodes`), which the kernels run for a whole block
+/// (one moment's) when any of its lanes is ambiguous. The fast path reads no threshold table: a
+/// running minimum of the low 16 bits (one masked word minimum per 16 lanes) decides for the block.
+///
+/// `H = 65536 * h + d`, where `h = min(fma(y, a, b), c)` is the lattice position: a run's values
+/// sit at half-integers of `h` and its transitions at integers (`b` is the exact form's plus one
+/// half), so `floor(h)` is the index away from transitions, and the shift by `d` puts the band at
+/// the bottom of the low 16 bits. Scaling by 2^16 is exact in `fma` and `min`, so `H` has `h`'s
+/// precision. Run 0 (the zero code, below the first transition `t1`) is the line
+/// `1/2 + y / (2 * t1)`, which reaches 1 there (so that where the two sides' transitions differ
+/// by a tie's ulp it is ambiguous, not wrong); the top value 1.0, which is not on the last run's
+/// lattice, is the constant `K + 1/2` from its transition on; a lattice run is clamped at
+/// `c = last + 1/2`, because between the decade edge and the transition into the next run its
+/// lattice would claim one index too many.
+///
+/// Runs switch exactly at their first transition. Each binade holds at most one switch, so the run
+/// is that of the binade's start or of the next binade's: the parameters are per binade, indexed
+/// by `j = binade - (key < switch[binade])` (mod 32), i.e. entry `j` holds the run in force at the
+/// start of binade `j + 1`.
+///
+/// [`Rounded::build`] picks the smallest `d` (a power of two) for which [`Rounded::verify`] proves,
+/// for every f32 magnitude up to a few ulp above 1.0 on both sides, that a lane outside the band
+/// gets the map's own index.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Rounded {
+    pub(crate) signed: bool,
+    /// Per binade (`(bits >> 23) & 31`): the key where a run starts inside it (`NO_SWITCH` if
+    /// none). A lane's key is its magnitude bits, or `2 * magnitude + sign` for the signed map, so
+    /// that where the negative side's transition is one ulp earlier (a tie) one entry serves both.
+    pub(crate) switch: [u32; 32],
+    /// Per slot (see the type docs): `H = min(fma(y, a, b), c)`, already scaled and shifted.
+    pub(crate) a: [f32; 32],
+    pub(crate) b: [f32; 32],
+    pub(crate) c: [f32; 32],
+    /// The band: a lane is decided here iff `trunc(H) & 0xffff >= 2 * d`.
+    pub(crate) d: u32,
+}
+
+/// A switch entry that no magnitude reaches (still below 2^31, so that `key - entry` is negative).
+const NO_SWITCH: u32 = 0x7fff_ffff;
+
+/// Fixed-point scale of `H` (16 fraction bits: the index is byte 2 of `trunc(H)`).
+const SCALE: f32 = 65536.0;
+
+impl Rounded {
+    /// Derives the rounding form from the exact form's runs (`(first index, count, decade)`) and
+    /// proves it; `None` if the layout does not fit (two switches in a binade, one in the top
+    /// binade) or no band up to `d = 256` verifies.
+    fn build(signed: bool, w: &[f64], tp: &[u32], tn: &[u32], runs: &[(usize, usize, i32)]) -> Option<Rounded> {
+        let top = w.len() - 1;
+        // The first transition into index k, on either side.
+        let into = |k: usize| if tn[k] == NEVER { tp[k] } else { tp[k].max(tn[k]) };
+        // Its switch key: the magnitude bits, or for the signed map `2 * t` on the positive side
+        // and `2 * t - 1` where the negative side gets there one ulp earlier (a tie), compared
+        // with the lane's key `2 * magnitude + sign` (as in `AffineCodes`).
+        let key = |k: usize| match (signed, tn[k]) {
+            (false, _) => Some(tp[k]),
+            (true, n) if n == NEVER || n == tp[k] => Some(2 * tp[k]),
+            (true, n) if n + 1 == tp[k] => Some(2 * tp[k] - 1),
+            _ => None,
+        };
+        // (start bits, switch key, a, b, c) of each run in lattice units, run 0 first.
+        let t1 = f32::from_bits(into(1)) as f64;
+        let mut runs_h: Vec<(u32, u32, f32, f32, f32)> = vec![(0, 0, (0.5 / t1) as f32, 0.5, f32::INFINITY)];
+        for &(first, count, d) in runs {
+            let lattice = if w[first + count - 1] >= 1.0 { count - 1 } else { count };
+            if lattice > 0 {
+                let edge = 10f64.powi(d);
+                let step = 9.0 * edge / lattice as f64;
+                let (a, b) = ((1.0 / step) as f32, (first as f64 - edge / step) as f32);
+                runs_h.push((into(first), key(first)?, a, b, (first + lattice) as f32 - 0.5));
+            }
+            if lattice < count {
+                if first + count - 1 != top {
+                    return None;
+                }
+                runs_h.push((into(top), key(top)?, 0.0, top as f32 + 0.5, f32::INFINITY));
+            }
+        }
+        let run_at = |m: u32| runs_h.iter().rposition(|p| p.0 <= m).unwrap_or(0);
+        let mut switch = [NO_SWITCH; 32];
+        let mut slots = [(0f32, 0f32, 0f32); 32];
+        for e in 96u32..=127 {
+            let (lo, hi) = (e << 23, (e + 1) << 23);
+            let mut inside = runs_h.iter().filter(|p| p.0 > lo && p.0 < hi);
+            if let Some(p) = inside.next() {
+                if inside.next().is_some() || e == 127 {
+                    return None;
+                }
+                switch[(e & 31) as usize] = p.1;
+            }
+            // Slot e - 1 (mod 32) serves binade e below its switch; slot e its part above (the
+            // run at the start of binade e + 1).
+            let p = runs_h[run_at(lo)];
+            slots[((e + 31) & 31) as usize] = (p.2, p.3, p.4);
+        }
+        (0..=8).map(|k| 1u32 << k).find_map(|d| {
+            let shift = d as f32;
+            let r = Rounded {
+                signed,
+                switch,
+                a: slots.map(|s| s.0 * SCALE),
+                b: slots.map(|s| s.1 * SCALE + shift),
+                c: slots.map(|s| s.2 * SCALE + shift),
+                d,
+            };
+            r.verify(top, tp, tn).then_some(r)
+        })
+    }
+
+    /// `trunc(H)` for magnitude bits `m` on the negative side or not, as the SIMD kernel computes
+    /// it (`H` is below 2^24, so the conversion is exact).
+    pub(crate) fn fixed(&self, m: u32, neg: bool) -> u32 {
+        let key = if self.signed { 2 * m + u32::from(neg) } else { m };
+        let m = m.max(AFFINE_LO_BITS);
+        let e = m >> 23;
+        let below = (key.wrapping_sub(self.switch[(e & 31) as usize]) as i32 >> 31) as u32;
+        let j = (e.wrapping_add(below) & 31) as usize;
+        f32::from_bits(m).mul_add(self.a[j], self.b[j]).min(self.c[j]) as u32
+    }
+
+    /// The magnitude index of magnitude bits `m` (on the negative side or not), or `None` inside
+    /// the ambiguity band, as the kernel decides.
+    #[cfg(test)]
+    pub(crate) fn index(&self, m: u32, neg: bool) -> Option<u32> {
+        let v = self.fixed(m, neg);
+        (v & 0xffff >= 2 * self.d).then_some(v >> 16)
+    }
+
+    /// Proves that every lane outside the band gets the map's index, on both sides, for every
+    /// magnitude up to 1.0 + 64 ulp. Between breakpoints (transitions, switches, binade starts) the
+    /// true index and the slot are constant and `trunc(H)` is monotone, so it stays within
+    /// `[V(start), V(end)]`; every index `k` whose decided values `k * 2^16 + [2d, 2^16)` meet that
+    /// range must be the true one.
+    pub(crate) fn verify(&self, top: usize, tp: &[u32], tn: &[u32]) -> bool {
+        let end = ONE_BITS + 64;
+        let mut points: Vec<u32> = vec![0, AFFINE_LO_BITS, end];
+        // Signed switch keys are 2 * magnitude (+ 1): their magnitudes are breakpoints.
+        let sw = self.switch.iter().map(|&k| if self.signed { k / 2 } else { k });
+        points.extend(
+            tp[1..].iter().chain(&tn[1..]).copied().chain(sw.clone()).chain(sw.map(|t| t + 1)).filter(|&t| t <= end),
+        );
+        points.extend((96u32..=127).map(|e| e << 23));
+        points.sort_unstable();
+        points.dedup();
+        let index = |t: &[u32], m: u32| t[1..].iter().filter(|&&x| x <= m.min(ONE_BITS)).count() as u64;
+        let ok = |m0: u32, m1: u32, neg: bool| {
+            let want = if neg { index(tn, m0).min(127) } else { index(tp, m0) };
+            let (v0, v1) = (self.fixed(m0, neg) as u64, self.fixed(m1, neg) as u64);
+            if v0 > v1 || v1 >> 16 > top as u64 {
+                return false;
+            }
+            (v0 >> 16..=v1 >> 16).all(|k| {
+                let decided = v1 >= (k << 16) + 2 * self.d as u64 && v0 <= (k << 16) + 0xffff;
+                // A negative lane's index is clamped to 127 (its code saturates at 0).
+                !decided || (if neg { k.min(127) } else { k }) == want
+            })
+        };
+        points.windows(2).all(|p| ok(p[0], p[1] - 1, false) && (!self.signed || ok(p[0], p[1] - 1, true)))
     }
 }

@@ -21,9 +21,11 @@
 //! - Two AVX-512 kernels: the *gather* kernel (`x86::q8_blocks_avx512`) dequantizes with gathers
 //!   and re-quantizes each block after its update; the *permute* kernel
 //!   (`x86::q8_blocks_avx512_vbmi`, AVX-512 VBMI) dequantizes and packs codes with byte permutes
-//!   and, by default, finds the new codes with the affine code finder (`crate::affine`: register
-//!   permutes, an estimate and one exact threshold compare, no gather;
-//!   `LT_OPTIM_Q8_QUANT=table|affine` to override). Which kernel is faster depends on the core
+//!   and, by default, finds the new codes with the rounding form of the affine code finder
+//!   (`crate::affine::Rounded`: register permutes, one fixed-point estimate whose top bits are the
+//!   code away from transitions, the exact finder for the rare blocks with a lane near one; no
+//!   gather, no table compare; `LT_OPTIM_Q8_QUANT=table|affine|rounded` to override). Which kernel
+//!   is faster depends on the core
 //!   (below): permutes on AMD, gathers elsewhere (`crate::simd::q8_permute_dequant`,
 //!   `LT_OPTIM_Q8_DEQUANT=gather|permute` to override).
 //! - Every SIMD kernel prefetches parameters, gradients and codes 512 elements ahead
@@ -184,6 +186,25 @@
 //! 2-3% slower; software prefetch 256/384/768/1024/2048 ahead or into L2 only: no better than 512
 //! (none: 57% slower at 8M on 1 thread).
 //!
+//! Session 15 (same core): on this core every zmm operation but the simple integer ones (add, and,
+//! max, moves: 2 per cycle) issues at most once per cycle, multiplies and permutes compete for
+//! the same pipes, `vreduceps` takes 2.5 cycles, `vsqrtps` 10 and `vdivps` 6 (independent chains,
+//! inline-assembly loops), and mixed kernel code runs at about 1.1-1.4 instructions per cycle; so
+//! the instruction count sets the speed. The rounding form (`crate::affine::Rounded`) finds a code
+//! in about 17 instructions per 16 lanes (signed map; 15 unsigned) instead of about 26, with no
+//! table compare: the slot from the binade and one switch compare (a rotate, a permute, three
+//! integer operations), `H = min(fma(y, a, b), c)` in 2^-16 fixed point (three permutes), and a
+//! truncation whose byte 2 is the code; a running minimum of the low 16 bits flags the few blocks
+//! with a lane within about 2^-15 of a step from a transition, which the exact finder redoes
+//! (proven at build time: `Rounded::verify`). Same bits on every path. Measured (16K parameters,
+//! 1 thread, best of 7 interleaved runs): 0.0153 against 0.0176-0.0180 ms per step with the exact
+//! finder (-14%); at 64M on 2 threads 47.2-50.4 against 51.1-55.4 ms (medians of 5 interleaved
+//! runs). Tried and not kept: software-pipelining the rounding form into the next block's update
+//! (-4% at 16K, +13% at 1M parameters), processing the eight groups of 16 stage by stage (no
+//! change), and an ambiguity check by `vreduceps` (the integer low-16-bit check is cheaper).
+//! Building a constant permute index with `std::array::from_fn` instead of a `const` compiled to a
+//! 64-iteration scalar loop per call; keep index tables `const`.
+//!
 //! Every SIMD kernel does the reference's f32 operations in the reference's order, so parameters,
 //! codes and absmax are bit-identical on every path (tested on random data and on edge cases: every
 //! map transition +-1 ulp, zeros, subnormals, NaN, overflow, ragged blocks). They differ from
@@ -201,7 +222,7 @@ use crate::copy::bf16_rne;
 use crate::grad::{Grad, GradElem};
 use crate::pool::{ThreadPool, run_tasks};
 use crate::qmap::{QuantMaps, block_absmax};
-use crate::simd::{SimdLevel, simd_level};
+use crate::simd::{Q8Quant, SimdLevel, simd_level};
 
 /// Per-step constants, converted to f32 where PyTorch / bitsandbytes convert their Python floats.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -276,9 +297,10 @@ pub(crate) struct KernelPath {
     pub bf16_hw: bool,
     /// AVX2: the 8-bit kernel's table lookups with scalar loads instead of gathers.
     pub loads: bool,
-    /// AVX-512 VBMI kernel: re-quantization by the affine code finder (`crate::affine`, held in
-    /// registers) instead of gathers from the bucket table, for maps that have one.
-    pub affine: bool,
+    /// AVX-512 VBMI kernel: how the new codes are found (`crate::simd::Q8Quant`: the affine code
+    /// finders of `crate::affine`, held in registers, for maps that have them, or gathers from the
+    /// bucket table).
+    pub quant: Q8Quant,
 }
 
 impl KernelPath {
@@ -292,14 +314,14 @@ impl KernelPath {
             permute: avx512 && crate::simd::q8_permute_dequant(),
             bf16_hw: avx512 && crate::simd::has_avx512bf16(),
             loads: level == SimdLevel::Avx2 && crate::simd::q8_avx2_loads(),
-            affine: avx512 && crate::simd::q8_affine_quant(),
+            quant: if avx512 { crate::simd::q8_quant() } else { Q8Quant::Table },
         }
     }
 
     /// The plain path of a level (gathers, integer bf16 rounding).
     #[cfg(test)]
     pub(crate) fn plain(level: SimdLevel) -> KernelPath {
-        KernelPath { level, permute: false, bf16_hw: false, loads: false, affine: false }
+        KernelPath { level, permute: false, bf16_hw: false, loads: false, quant: Q8Quant::Table }
     }
 }
 
@@ -310,6 +332,12 @@ pub(crate) const NO_COPY: u8 = 0;
 pub(crate) const COPY_INT: u8 = 1;
 /// `vcvtneps2bf16` (AVX512-BF16), with the integer rounding for blocks of 16 holding a subnormal.
 pub(crate) const COPY_HW: u8 = 2;
+
+/// How the VBMI kernel finds new codes (a const parameter): gathers from the bucket tables, the
+/// exact affine code finders, or the rounding forms with the exact finders as their fallback.
+pub(crate) const QUANT_TABLE: u8 = 0;
+pub(crate) const QUANT_AFFINE: u8 = 1;
+pub(crate) const QUANT_ROUNDED: u8 = 2;
 
 /// The copy mode of a path for an optional copy.
 fn copy_mode(path: KernelPath, copy: bool) -> u8 {
@@ -546,18 +574,27 @@ fn q8_run<G: GradElem>(p: &mut [f32], cp: &mut [bf16], g: &[G], mut s: Q8Slices<
                 QuantMaps,
             );
             let permute = path.permute && b.is_multiple_of(64);
-            // The affine code finder needs both maps in its form (the default maps are).
-            let affine = permute
-                && path.affine
-                && s.maps.signed.affine().is_some_and(|a| a.signed)
-                && s.maps.unsigned.affine().is_some_and(|a| !a.signed);
-            let kernel: Kernel<G> = match (permute, affine, copy) {
-                (true, false, NO_COPY) => x86::q8_blocks_avx512_vbmi::<G, NO_COPY, false>,
-                (true, false, COPY_INT) => x86::q8_blocks_avx512_vbmi::<G, COPY_INT, false>,
-                (true, false, _) => x86::q8_blocks_avx512_vbmi::<G, COPY_HW, false>,
-                (true, true, NO_COPY) => x86::q8_blocks_avx512_vbmi::<G, NO_COPY, true>,
-                (true, true, COPY_INT) => x86::q8_blocks_avx512_vbmi::<G, COPY_INT, true>,
-                (true, true, _) => x86::q8_blocks_avx512_vbmi::<G, COPY_HW, true>,
+            // The affine code finders need both maps in their form (the default maps are).
+            let (sa, ua) = (s.maps.signed.affine(), s.maps.unsigned.affine());
+            let affine = sa.is_some_and(|a| a.signed) && ua.is_some_and(|a| !a.signed);
+            let quant = match path.quant {
+                _ if !permute || !affine => QUANT_TABLE,
+                Q8Quant::Table => QUANT_TABLE,
+                Q8Quant::Rounded if sa.zip(ua).is_some_and(|(s, u)| s.rounded.is_some() && u.rounded.is_some()) => {
+                    QUANT_ROUNDED
+                }
+                _ => QUANT_AFFINE,
+            };
+            let kernel: Kernel<G> = match (permute, quant, copy) {
+                (true, QUANT_TABLE, NO_COPY) => x86::q8_blocks_avx512_vbmi::<G, NO_COPY, QUANT_TABLE>,
+                (true, QUANT_TABLE, COPY_INT) => x86::q8_blocks_avx512_vbmi::<G, COPY_INT, QUANT_TABLE>,
+                (true, QUANT_TABLE, _) => x86::q8_blocks_avx512_vbmi::<G, COPY_HW, QUANT_TABLE>,
+                (true, QUANT_AFFINE, NO_COPY) => x86::q8_blocks_avx512_vbmi::<G, NO_COPY, QUANT_AFFINE>,
+                (true, QUANT_AFFINE, COPY_INT) => x86::q8_blocks_avx512_vbmi::<G, COPY_INT, QUANT_AFFINE>,
+                (true, QUANT_AFFINE, _) => x86::q8_blocks_avx512_vbmi::<G, COPY_HW, QUANT_AFFINE>,
+                (true, _, NO_COPY) => x86::q8_blocks_avx512_vbmi::<G, NO_COPY, QUANT_ROUNDED>,
+                (true, _, COPY_INT) => x86::q8_blocks_avx512_vbmi::<G, COPY_INT, QUANT_ROUNDED>,
+                (true, _, _) => x86::q8_blocks_avx512_vbmi::<G, COPY_HW, QUANT_ROUNDED>,
                 (false, _, NO_COPY) => x86::q8_blocks_avx512::<G, NO_COPY>,
                 (false, _, COPY_INT) => x86::q8_blocks_avx512::<G, COPY_INT>,
                 (false, _, _) => x86::q8_blocks_avx512::<G, COPY_HW>,
@@ -689,8 +726,8 @@ mod x86 {
 
     use half::bf16;
 
-    use super::{COPY_HW, Coeffs, NO_COPY, Q8Slices, fp32_generic, q8_scalar_blocks};
-    use crate::affine::{AFFINE_LO_BITS, AffineCodes};
+    use super::{COPY_HW, Coeffs, NO_COPY, Q8Slices, QUANT_ROUNDED, QUANT_TABLE, fp32_generic, q8_scalar_blocks};
+    use crate::affine::{AFFINE_LO_BITS, AffineCodes, Rounded};
     use crate::config::MAX_BLOCK;
     use crate::copy::bf16_rne;
     use crate::grad::GradElem;
@@ -1248,7 +1285,7 @@ mod x86 {
     /// As `q8_blocks_avx512`, plus AVX-512 VBMI, and `block` a multiple of 64.
     #[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vbmi")]
     #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn q8_blocks_avx512_vbmi<G: GradElem, const COPY: u8, const AFFINE: bool>(
+    pub(super) unsafe fn q8_blocks_avx512_vbmi<G: GradElem, const COPY: u8, const QUANT: u8>(
         p: &mut [f32],
         cp: &mut [bf16],
         g: &[G],
@@ -1262,12 +1299,22 @@ mod x86 {
     ) {
         let (sm, um) = (maps.signed, maps.unsigned);
         let (splanes, uplanes) = (sm.planes(), um.planes());
-        // With AFFINE the codes come from the affine code finders (the caller checked that both
-        // maps have one), else from the bucket tables; `None`: the scalar rule for every block.
-        let quant = if AFFINE {
-            sm.affine().zip(um.affine()).map(|(s, u)| Quant64::Affine(Affine64::new(s), Affine64::new(u)))
+        // The codes come from the rounding forms (QUANT_ROUNDED, whole blocks at a time), else
+        // from the affine code finders (QUANT_AFFINE, or QUANT_ROUNDED for maps without rounding
+        // forms; the caller checked that both maps have the affine form), else from the bucket
+        // tables; neither: the scalar rule for every block.
+        let rounded = if QUANT == QUANT_ROUNDED {
+            sm.affine().zip(um.affine()).and_then(|(s, u)| Rounded64x2::new(s, u))
         } else {
-            sm.lut_params().zip(um.lut_params()).map(|(s, u)| Quant64::Table(LutKernel::new(&s), LutKernel::new(&u)))
+            None
+        };
+        let quant = match QUANT {
+            _ if rounded.is_some() => None,
+            QUANT_TABLE => sm
+                .lut_params()
+                .zip(um.lut_params())
+                .map(|(s, u)| Quant64::Table(LutKernel::new(&s), LutKernel::new(&u))),
+            _ => sm.affine().zip(um.affine()).map(|(s, u)| Quant64::Affine(Affine64::new(s), Affine64::new(u))),
         };
         // The block's m and v: `block` floats each. Uninitialised: every element is written by the
         // update before it is read.
@@ -1334,8 +1381,14 @@ mod x86 {
             };
             am[k] = a_m;
             av[k] = a_v;
-            match &quant {
-                Some(how) if !nan && fast_absmax(a_m) && fast_absmax(a_v) => {
+            let fast = !nan && fast_absmax(a_m) && fast_absmax(a_v);
+            match (&rounded, &quant) {
+                (Some(t), _) if fast => {
+                    // SAFETY: the scratch holds `block` floats per moment, the codes `block` bytes
+                    // from `base`; block is a multiple of 64.
+                    unsafe { rounded_block(tm, tv, 1.0 / a_m, 1.0 / a_v, qmp.add(base), qvp.add(base), block, t) };
+                }
+                (_, Some(how)) if fast => {
                     let (rm, rv) = (_mm512_set1_ps(1.0 / a_m), _mm512_set1_ps(1.0 / a_v));
                     for j in (0..block).step_by(64) {
                         // SAFETY: j + 64 <= block: within the scratch and the block's codes.
@@ -1352,6 +1405,35 @@ mod x86 {
         }
     }
 
+    /// Re-quantizes normalised values (`absmax` 1) of both moments with the VBMI kernel's code
+    /// finder `QUANT` (`QUANT_AFFINE` or `QUANT_ROUNDED`), 256 lanes per block as the kernel does,
+    /// so that tests can compare it with the rule value by value.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F/DQ/BW/VBMI; the four slices have one length, a multiple of
+    /// 256, and every value is at most a few ulp above 1 in magnitude (`xv` non-negative).
+    #[cfg(test)]
+    #[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vbmi")]
+    pub(super) unsafe fn requant_normalised(xm: &[f32], xv: &[f32], qm: &mut [u8], qv: &mut [u8], quant: u8) {
+        let (s, u) = (QuantMap::signed().affine().unwrap(), QuantMap::unsigned().affine().unwrap());
+        let t = Rounded64x2::new(s, u).unwrap();
+        let one = _mm512_set1_ps(1.0);
+        for b in (0..xm.len()).step_by(256) {
+            // SAFETY: b + 256 <= the common length (caller).
+            unsafe {
+                let (pm, pv) = (xm.as_ptr().add(b), xv.as_ptr().add(b));
+                let (cm, cv) = (qm.as_mut_ptr().add(b), qv.as_mut_ptr().add(b));
+                if quant == super::QUANT_ROUNDED {
+                    rounded_block(pm, pv, 1.0, 1.0, cm, cv, 256, &t);
+                } else {
+                    for j in (0..256).step_by(64) {
+                        quant64(pm.add(j), pv.add(j), one, one, cm.add(j), cv.add(j), &Quant64::Affine(t.em, t.ev));
+                    }
+                }
+            }
+        }
+    }
+
     /// Whether the SIMD lookup may quantize against this absmax: its reciprocal is finite and
     /// normal and every normalised value `x * (1 / absmax)` is a number of magnitude <= ~1, never
     /// the NaN of an all-zero block (`0 * inf`), which only the scalar rule maps to code 0. The
@@ -1361,12 +1443,38 @@ mod x86 {
         a >= f32::from_bits(0x2180_0000) && a <= f32::from_bits(0x5d80_0000)
     }
 
-    /// How the VBMI kernel finds the new codes: gathers from both maps' bucket tables, or both
-    /// maps' affine code finders.
+    /// How the VBMI kernel finds the new codes 64 lanes at a time: gathers from both maps' bucket
+    /// tables, or both maps' affine code finders (the rounding forms work on whole blocks:
+    /// `rounded_block`).
     #[derive(Clone, Copy)]
     enum Quant64 {
         Table(LutKernel, LutKernel),
         Affine(Affine64, Affine64),
+    }
+
+    /// Both maps' rounding forms, and their exact forms for blocks with an ambiguous lane.
+    #[derive(Clone, Copy)]
+    struct Rounded64x2 {
+        m: Rounded64,
+        v: Rounded64,
+        em: Affine64,
+        ev: Affine64,
+    }
+
+    impl Rounded64x2 {
+        /// From the signed (`s`) and unsigned (`u`) maps' affine forms; `None` unless both have a
+        /// rounding form.
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        fn new(s: &AffineCodes, u: &AffineCodes) -> Option<Rounded64x2> {
+            let (rs, ru) = (s.rounded.as_ref()?, u.rounded.as_ref()?);
+            Some(Rounded64x2 {
+                m: Rounded64::new(rs),
+                v: Rounded64::new(ru),
+                em: Affine64::new(s),
+                ev: Affine64::new(u),
+            })
+        }
     }
 
     /// The codes of the 64 values at `xm` (first moment, times `rm`) and at `xv` (second moment,
@@ -1422,6 +1530,177 @@ mod x86 {
                 }
             }
         }
+    }
+
+    /// A `Rounded` in registers.
+    #[derive(Clone, Copy)]
+    struct Rounded64 {
+        switch: [__m512i; 2],
+        a: [__m512; 2],
+        b: [__m512; 2],
+        c: [__m512; 2],
+        /// `2 * d` in every 16-bit word: a lane is decided iff its low 16 bits are at least this.
+        band: __m512i,
+    }
+
+    impl Rounded64 {
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        fn new(t: &Rounded) -> Rounded64 {
+            // SAFETY: each array holds 32 32-bit values, read as two vectors.
+            unsafe {
+                let i = |p: *const u32| {
+                    [_mm512_loadu_si512(p as *const __m512i), _mm512_loadu_si512(p.add(16) as *const __m512i)]
+                };
+                let f = |p: *const f32| [_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16))];
+                Rounded64 {
+                    switch: i(t.switch.as_ptr()),
+                    a: f(t.a.as_ptr()),
+                    b: f(t.b.as_ptr()),
+                    c: f(t.c.as_ptr()),
+                    band: _mm512_set1_epi16(2 * t.d as i16),
+                }
+            }
+        }
+    }
+
+    /// The codes of the 64 normalised values `x[0..64] * r` by the rounding form (`Rounded::fixed`
+    /// and `Rounded::index`, lane-parallel: same operations, same bits), in element order. Lowers
+    /// `least` to the smallest low-16-bit part seen: a lane below `t.band` there was ambiguous, and
+    /// its codes must come from the exact form (the caller checks once per block).
+    ///
+    /// # Safety
+    /// As `affine64`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vbmi")]
+    unsafe fn rounded64<const SIGNED: bool>(x: *const f32, r: __m512, t: &Rounded64, least: &mut __m512i) -> __m512i {
+        let lo = _mm512_set1_epi32(AFFINE_LO_BITS as i32);
+        let mut v = [_mm512_setzero_si512(); 4];
+        let mut neg = [0u16; 4];
+        for (s, vs) in v.iter_mut().enumerate() {
+            // SAFETY: s < 4, within the 64 readable floats (caller).
+            let q = _mm512_mul_ps(unsafe { _mm512_loadu_ps(x.add(16 * s)) }, r);
+            let bits = _mm512_castps_si512(q);
+            // |q| raised to 2^-31, on the bits (integer order is float order there): vector ALU
+            // operations, which leave the float pipes to the rest.
+            let mb = _mm512_max_epu32(
+                if SIGNED { _mm512_and_si512(bits, _mm512_set1_epi32(0x7fff_ffff)) } else { bits },
+                lo,
+            );
+            // The slot: the binade, minus one below the binade's switch (compared by key). Only
+            // the low 5 bits matter to the permutes, so a rotate (on the multiply pipes) stands
+            // in for the shift.
+            let e = _mm512_ror_epi32::<23>(mb);
+            let key = if SIGNED { _mm512_rol_epi32::<1>(bits) } else { bits };
+            let sw = _mm512_permutex2var_epi32(t.switch[0], e, t.switch[1]);
+            let j = _mm512_add_epi32(e, _mm512_srai_epi32::<31>(_mm512_sub_epi32(key, sw)));
+            let a = _mm512_permutex2var_ps(t.a[0], j, t.a[1]);
+            let b = _mm512_permutex2var_ps(t.b[0], j, t.b[1]);
+            let c = _mm512_permutex2var_ps(t.c[0], j, t.c[1]);
+            *vs = _mm512_cvttps_epi32(_mm512_min_ps(_mm512_fmadd_ps(_mm512_castsi512_ps(mb), a, b), c));
+            // The low 16 bits are the even 16-bit words: a masked word minimum (the odd words of
+            // `least` keep their initial 0xffff).
+            *least = _mm512_mask_min_epu16(*least, 0x5555_5555, *least, *vs);
+            if SIGNED {
+                neg[s] = _mm512_movepi32_mask(bits);
+            }
+        }
+        // The index is byte 2 of each lane; for the signed map the code is 127 + index, or
+        // 127 - index on the negative side (index 128 there saturates to code 0).
+        let u = pack64_byte::<2>(v);
+        if SIGNED {
+            let neg = _mm512_kunpackd(
+                _mm512_kunpackw(neg[3].into(), neg[2].into()) as __mmask64,
+                _mm512_kunpackw(neg[1].into(), neg[0].into()) as __mmask64,
+            );
+            let c127 = _mm512_set1_epi8(127);
+            _mm512_mask_subs_epu8(_mm512_add_epi8(u, c127), neg, c127, u)
+        } else {
+            u
+        }
+    }
+
+    /// Re-quantizes one block (`block` floats of each moment at `xm`, `xv`, times `rm`, `rv`) into
+    /// `block` codes at `qm`, `qv` by the rounding forms, 64 lanes at a time, with the tables held
+    /// in registers for the whole block.
+    ///
+    /// # Safety
+    /// As `quant64`, for `block` (a multiple of 64) elements.
+    #[inline(never)]
+    #[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vbmi")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn rounded_block(
+        xm: *const f32,
+        xv: *const f32,
+        rm: f32,
+        rv: f32,
+        qm: *mut u8,
+        qv: *mut u8,
+        block: usize,
+        t: &Rounded64x2,
+    ) {
+        let (rm, rv) = (_mm512_set1_ps(rm), _mm512_set1_ps(rv));
+        let (tm, tv) = (t.m, t.v);
+        // The smallest low-16-bit part of any lane of the block, per moment: if one is in the
+        // ambiguity band (a few blocks in a thousand), the exact form redoes that moment's block.
+        // Checking once per block keeps the loop free of calls and branches, with the tables in
+        // registers.
+        let (mut least_m, mut least_v) = (_mm512_set1_epi32(-1), _mm512_set1_epi32(-1));
+        for j in (0..block).step_by(64) {
+            // SAFETY: j + 64 <= block (caller).
+            unsafe {
+                _mm512_storeu_si512(qm.add(j) as *mut __m512i, rounded64::<true>(xm.add(j), rm, &tm, &mut least_m));
+                _mm512_storeu_si512(qv.add(j) as *mut __m512i, rounded64::<false>(xv.add(j), rv, &tv, &mut least_v));
+            }
+        }
+        if _mm512_cmplt_epu16_mask(least_m, tm.band) != 0 {
+            for j in (0..block).step_by(64) {
+                // SAFETY: as above.
+                unsafe { _mm512_storeu_si512(qm.add(j) as *mut __m512i, exact64::<true>(xm.add(j), rm, &t.em)) };
+            }
+        }
+        if _mm512_cmplt_epu16_mask(least_v, tv.band) != 0 {
+            for j in (0..block).step_by(64) {
+                // SAFETY: as above.
+                unsafe { _mm512_storeu_si512(qv.add(j) as *mut __m512i, exact64::<false>(xv.add(j), rv, &t.ev)) };
+            }
+        }
+    }
+
+    /// Byte `B` of each i32 lane of `c[0..4]`, in order, as 64 bytes: two byte permutes and a
+    /// blend (as `pack64`).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
+    fn pack64_byte<const B: usize>(c: [__m512i; 4]) -> __m512i {
+        const fn table(b: usize) -> [u8; 64] {
+            let mut t = [0u8; 64];
+            let mut i = 0;
+            while i < 64 {
+                t[i] = ((i % 32) * 4 + b) as u8;
+                i += 1;
+            }
+            t
+        }
+        let idx: &[u8; 64] = &const { table(B) };
+        // SAFETY: idx holds 64 bytes.
+        let idx = unsafe { _mm512_loadu_si512(idx.as_ptr() as *const __m512i) };
+        let a = _mm512_permutex2var_epi8(c[0], idx, c[1]);
+        let b = _mm512_permutex2var_epi8(c[2], idx, c[3]);
+        _mm512_mask_blend_epi8(0xffff_ffff_0000_0000, a, b)
+    }
+
+    /// The codes of `x[0..64] * r` by the exact form alone (`affine64` for one moment): the
+    /// fallback of `rounded64` for a group with an ambiguous lane. Not inlined: it is rare, and
+    /// inlined it would take registers from the fast path.
+    ///
+    /// # Safety
+    /// As `affine64`.
+    #[inline(never)]
+    #[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vbmi")]
+    unsafe fn exact64<const SIGNED: bool>(x: *const f32, r: __m512, t: &Affine64) -> __m512i {
+        // SAFETY: the caller's.
+        let e = unsafe { estimates::<SIGNED>(x, r, t) };
+        finish::<SIGNED>(&e, thresholds::<SIGNED>(&e, t))
     }
 
     /// The first half of `affine64`: each lane's estimate, key and sign.
@@ -1852,6 +2131,49 @@ mod tests {
         (qm, qv, am, av)
     }
 
+    /// The VBMI kernel's code finders (the exact affine one and the rounding form with its
+    /// fallback) give the rule's code for every normalised value within 64 ulp of every transition
+    /// of both maps (both signs for the signed map), of every code value and midpoint, and for
+    /// zero, subnormals and values just above 1: where the rounding form is ambiguous the fallback
+    /// must take over, so this also checks that the band check fires there.
+    #[test]
+    fn vbmi_code_finders_match_the_rule_at_every_transition() {
+        if simd_level() < SimdLevel::Avx512 || !crate::simd::has_vbmi() {
+            eprintln!("skipped: this CPU has no AVX-512 VBMI (the other paths are covered by simd_q8_*)");
+            return;
+        }
+        let (sm, um) = (crate::QuantMap::signed(), crate::QuantMap::unsigned());
+        let around = |t: u32| (t.saturating_sub(64)..=t.saturating_add(64)).map(f32::from_bits);
+        let mut mags: Vec<f32> = Vec::new();
+        for map in [sm, um] {
+            for w in map.code().windows(2) {
+                for v in [w[0], w[1], (w[0] + w[1]) / 2.0] {
+                    mags.extend(around(v.abs().to_bits()));
+                }
+            }
+            for x in crate::qmap::transition_bits(map) {
+                mags.extend(around(x));
+            }
+        }
+        mags.extend((0..4096).map(f32::from_bits));
+        mags.extend((0..8).map(|k| f32::from_bits(0x3f80_0000 + k)));
+        mags.retain(|m| *m <= f32::from_bits(0x3f80_0008));
+        let mut xm: Vec<f32> = mags.iter().flat_map(|&m| [m, -m]).collect();
+        let mut xv: Vec<f32> = mags.iter().flat_map(|&m| [m, m]).collect();
+        let n = xm.len().next_multiple_of(256);
+        xm.resize(n, 0.5);
+        xv.resize(n, 0.5);
+        for quant in [QUANT_AFFINE, QUANT_ROUNDED] {
+            let (mut qm, mut qv) = (vec![0u8; n], vec![0u8; n]);
+            // SAFETY: VBMI checked above; equal lengths, a multiple of 256; |values| <= 1 + 8 ulp.
+            unsafe { x86::requant_normalised(&xm, &xv, &mut qm, &mut qv, quant) };
+            for i in 0..n {
+                assert_eq!(qm[i], sm.quantize(xm[i]), "quant {quant}, m = {:e} ({:#x})", xm[i], xm[i].to_bits());
+                assert_eq!(qv[i], um.quantize(xv[i]), "quant {quant}, v = {:e} ({:#x})", xv[i], xv[i].to_bits());
+            }
+        }
+    }
+
     /// The SIMD paths this CPU can run: AVX-512 with gathers and with byte permutes (VBMI), each
     /// with integer and with `vcvtneps2bf16` bf16 rounding (AVX512-BF16), and AVX2.
     fn paths() -> Vec<KernelPath> {
@@ -1859,8 +2181,10 @@ mod tests {
         if simd_level() >= SimdLevel::Avx512 {
             for permute in [false, true].into_iter().filter(|&p| !p || crate::simd::has_vbmi()) {
                 for bf16_hw in [false, true].into_iter().filter(|&h| !h || crate::simd::has_avx512bf16()) {
-                    for affine in [false, permute] {
-                        v.push(KernelPath { level: SimdLevel::Avx512, permute, bf16_hw, loads: false, affine });
+                    let quants: &[Q8Quant] =
+                        if permute { &[Q8Quant::Table, Q8Quant::Affine, Q8Quant::Rounded] } else { &[Q8Quant::Table] };
+                    for &quant in quants {
+                        v.push(KernelPath { level: SimdLevel::Avx512, permute, bf16_hw, loads: false, quant });
                     }
                 }
             }

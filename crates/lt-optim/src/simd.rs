@@ -67,14 +67,31 @@ pub(crate) fn q8_permute_dequant() -> bool {
     *PERMUTE.get_or_init(|| amd_unless_env("LT_OPTIM_Q8_DEQUANT", "gather", "permute") && has_vbmi())
 }
 
-/// Whether the AVX-512 VBMI kernel finds new codes with the affine code finder (`crate::affine`:
-/// register permutes and one exact threshold compare) rather than by gathering from the bucket
-/// table. Both give the same bits; on AMD Zen 4 a 16-lane `vpgatherdd` took about 20 cycles and
-/// the finder re-quantizes 16 lanes in about 16, with no gather (see `kernels`).
-/// `LT_OPTIM_Q8_QUANT=table` or `=affine` overrides the default (affine). Read once per process.
-pub(crate) fn q8_affine_quant() -> bool {
-    static AFFINE: OnceLock<bool> = OnceLock::new();
-    *AFFINE.get_or_init(|| named_or(std::env::var("LT_OPTIM_Q8_QUANT").ok().as_deref(), "table", "affine", true))
+/// How the AVX-512 VBMI kernel finds the new codes. All three give the same bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Q8Quant {
+    /// Gathers from the bucket table.
+    Table,
+    /// The exact affine code finder (`crate::affine::AffineCodes`): register permutes, an estimate
+    /// and one exact threshold compare per lane.
+    Affine,
+    /// The fixed-point rounding form (`crate::affine::Rounded`), with the exact finder for the rare
+    /// blocks that hold an ambiguous lane.
+    Rounded,
+}
+
+/// The VBMI kernel's code finder: on AMD Zen 4 a 16-lane `vpgatherdd` took about 20 cycles, the
+/// exact affine finder re-quantizes 16 lanes in about 16, and the rounding form, with no table
+/// compare, makes the whole kernel another 14% faster in L2 (see `kernels`).
+/// `LT_OPTIM_Q8_QUANT=table`, `=affine` or `=rounded` overrides the default (rounded). Read once per
+/// process.
+pub(crate) fn q8_quant() -> Q8Quant {
+    static QUANT: OnceLock<Q8Quant> = OnceLock::new();
+    *QUANT.get_or_init(|| match std::env::var("LT_OPTIM_Q8_QUANT").ok().as_deref().map(str::trim) {
+        Some("table") => Q8Quant::Table,
+        Some("affine") => Q8Quant::Affine,
+        _ => Q8Quant::Rounded,
+    })
 }
 
 /// Whether the AVX2 8-bit kernel reads its tables with scalar loads rather than gathers. Both give
@@ -103,12 +120,14 @@ fn named_or(value: Option<&str>, off: &str, on: &str, default: bool) -> bool {
     }
 }
 
-/// The name of the 8-bit kernel family in use: `avx512-permute-affine`, `avx512-permute`,
+/// The name of the 8-bit kernel family in use: `avx512-permute-rounded`, `avx512-permute-affine`,
+/// `avx512-permute`,
 /// `avx512-gather`, `avx2-loads`, `avx2-gather` or `scalar` (for benchmark reports; see
 /// [`simd_level`], `LT_OPTIM_Q8_DEQUANT` and `LT_OPTIM_Q8_QUANT`).
 pub fn q8_kernel_name() -> &'static str {
     match simd_level() {
-        SimdLevel::Avx512 if q8_permute_dequant() && q8_affine_quant() => "avx512-permute-affine",
+        SimdLevel::Avx512 if q8_permute_dequant() && q8_quant() == Q8Quant::Rounded => "avx512-permute-rounded",
+        SimdLevel::Avx512 if q8_permute_dequant() && q8_quant() == Q8Quant::Affine => "avx512-permute-affine",
         SimdLevel::Avx512 if q8_permute_dequant() => "avx512-permute",
         SimdLevel::Avx512 => "avx512-gather",
         SimdLevel::Avx2 if q8_avx2_loads() => "avx2-loads",
