@@ -237,7 +237,7 @@ pub(crate) fn by_index(
 /// are not (an *ambiguity band* of about `2 * d / 65536` of a step at each transition, a few lanes
 /// in 10^5) are left to the exact form (`AffineCodes`), which the kernels run for a whole block
 /// (one moment's) when any of its lanes is ambiguous. The fast path reads no threshold table: a
-/// running minimum of the low 16 bits (one masked word minimum per 16 lanes) decides for the block.
+/// running minimum of the low 16 bits (one word minimum per 16 lanes) decides for the block.
 ///
 /// `H = 65536 * h + d`, where `h = min(fma(y, a, b), c)` is the lattice position: a run's values
 /// sit at half-integers of `h` and its transitions at integers (`b` is the exact form's plus one
@@ -253,7 +253,10 @@ pub(crate) fn by_index(
 /// Runs switch exactly at their first transition. Each binade holds at most one switch, so the run
 /// is that of the binade's start or of the next binade's: the parameters are per binade, indexed
 /// by `j = binade - (key < switch[binade])` (mod 32), i.e. entry `j` holds the run in force at the
-/// start of binade `j + 1`.
+/// start of binade `j + 1`. The kernels get `j` with one subtraction and a shift, no compare:
+/// keys are magnitude bits (unsigned map) or `2 * magnitude + sign` (signed), so a binade's keys
+/// are those whose bits above `S = 23` (or 24) equal the binade, and `j = (key - off[binade]) >> S`
+/// where `off` is the switch key's offset from the binade's first key (`2^S` if none).
 ///
 /// [`Rounded::build`] picks the smallest `d` (a power of two) for which [`Rounded::verify`] proves,
 /// for every f32 magnitude up to a few ulp above 1.0 on both sides, that a lane outside the band
@@ -261,10 +264,11 @@ pub(crate) fn by_index(
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Rounded {
     pub(crate) signed: bool,
-    /// Per binade (`(bits >> 23) & 31`): the key where a run starts inside it (`NO_SWITCH` if
-    /// none). A lane's key is its magnitude bits, or `2 * magnitude + sign` for the signed map, so
+    /// Per binade (`(bits >> 23) & 31`): the offset of the key where a run starts inside it from
+    /// the binade's first key, in `0..2^S`, or `2^S` if no run starts inside it. A lane's key is
+    /// its magnitude bits (`S = 23`), or `2 * magnitude + sign` for the signed map (`S = 24`), so
     /// that where the negative side's transition is one ulp earlier (a tie) one entry serves both.
-    pub(crate) switch: [u32; 32],
+    pub(crate) off: [u32; 32],
     /// Per slot (see the type docs): `H = min(fma(y, a, b), c)`, already scaled and shifted.
     pub(crate) a: [f32; 32],
     pub(crate) b: [f32; 32],
@@ -272,9 +276,6 @@ pub(crate) struct Rounded {
     /// The band: a lane is decided here iff `trunc(H) & 0xffff >= 2 * d`.
     pub(crate) d: u32,
 }
-
-/// A switch entry that no magnitude reaches (still below 2^31, so that `key - entry` is negative).
-const NO_SWITCH: u32 = 0x7fff_ffff;
 
 /// Fixed-point scale of `H` (16 fraction bits: the index is byte 2 of `trunc(H)`).
 const SCALE: f32 = 65536.0;
@@ -315,7 +316,8 @@ impl Rounded {
             }
         }
         let run_at = |m: u32| runs_h.iter().rposition(|p| p.0 <= m).unwrap_or(0);
-        let mut switch = [NO_SWITCH; 32];
+        let s = Rounded::key_shift(signed);
+        let mut off = [1u32 << s; 32];
         let mut slots = [(0f32, 0f32, 0f32); 32];
         for e in 96u32..=127 {
             let (lo, hi) = (e << 23, (e + 1) << 23);
@@ -324,7 +326,7 @@ impl Rounded {
                 if inside.next().is_some() || e == 127 {
                     return None;
                 }
-                switch[(e & 31) as usize] = p.1;
+                off[(e & 31) as usize] = p.1.checked_sub(e << s).filter(|&o| o < 1 << s)?;
             }
             // Slot e - 1 (mod 32) serves binade e below its switch; slot e its part above (the
             // run at the start of binade e + 1).
@@ -335,7 +337,7 @@ impl Rounded {
             let shift = d as f32;
             let r = Rounded {
                 signed,
-                switch,
+                off,
                 a: slots.map(|s| s.0 * SCALE),
                 b: slots.map(|s| s.1 * SCALE + shift),
                 c: slots.map(|s| s.2 * SCALE + shift),
@@ -348,12 +350,16 @@ impl Rounded {
     /// `trunc(H)` for magnitude bits `m` on the negative side or not, as the SIMD kernel computes
     /// it (`H` is below 2^24, so the conversion is exact).
     pub(crate) fn fixed(&self, m: u32, neg: bool) -> u32 {
-        let key = if self.signed { 2 * m + u32::from(neg) } else { m };
-        let m = m.max(AFFINE_LO_BITS);
-        let e = m >> 23;
-        let below = (key.wrapping_sub(self.switch[(e & 31) as usize]) as i32 >> 31) as u32;
-        let j = (e.wrapping_add(below) & 31) as usize;
-        f32::from_bits(m).mul_add(self.a[j], self.b[j]).min(self.c[j]) as u32
+        let s = Rounded::key_shift(self.signed);
+        // The key raised to that of 2^-31 (then `key >> s` is the binade of `max(m, 2^-31)`).
+        let key = if self.signed { 2 * m + u32::from(neg) } else { m }.max(AFFINE_LO_BITS << (s - 23));
+        let j = ((key - self.off[((key >> s) & 31) as usize]) >> s & 31) as usize;
+        f32::from_bits(m.max(AFFINE_LO_BITS)).mul_add(self.a[j], self.b[j]).min(self.c[j]) as u32
+    }
+
+    /// `S`: keys are magnitude bits (23) or `2 * magnitude + sign` (24).
+    fn key_shift(signed: bool) -> u32 {
+        if signed { 24 } else { 23 }
     }
 
     /// The magnitude index of magnitude bits `m` (on the negative side or not), or `None` inside
@@ -373,7 +379,10 @@ impl Rounded {
         let end = ONE_BITS + 64;
         let mut points: Vec<u32> = vec![0, AFFINE_LO_BITS, end];
         // Signed switch keys are 2 * magnitude (+ 1): their magnitudes are breakpoints.
-        let sw = self.switch.iter().map(|&k| if self.signed { k / 2 } else { k });
+        let s = Rounded::key_shift(self.signed);
+        let sw = (96u32..=127)
+            .filter(|e| self.off[(e & 31) as usize] < 1 << s)
+            .map(|e| ((e << s) + self.off[(e & 31) as usize]) >> (s - 23));
         points.extend(
             tp[1..].iter().chain(&tn[1..]).copied().chain(sw.clone()).chain(sw.map(|t| t + 1)).filter(|&t| t <= end),
         );

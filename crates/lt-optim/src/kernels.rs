@@ -24,9 +24,9 @@
 //!   and, by default, finds the new codes with the rounding form of the affine code finder
 //!   (`crate::affine::Rounded`: register permutes, one fixed-point estimate whose top bits are the
 //!   code away from transitions, the exact finder for the rare blocks with a lane near one; no
-//!   gather, no table compare; `LT_OPTIM_Q8_QUANT=table|affine|rounded` to override). Which kernel
-//!   is faster depends on the core
-//!   (below): permutes on AMD, gathers elsewhere (`crate::simd::q8_permute_dequant`,
+//!   gather, no table compare; `LT_OPTIM_Q8_QUANT=table|affine|rounded` to override). With the rounding
+//!   form the permute kernel is the faster one on AMD Zen 4 and on Intel Emerald Rapids (below), so
+//!   it runs wherever the CPU has VBMI (`crate::simd::q8_permute_dequant`,
 //!   `LT_OPTIM_Q8_DEQUANT=gather|permute` to override).
 //! - Every SIMD kernel prefetches parameters, gradients and codes 512 elements ahead
 //!   (`x86::PREFETCH_AHEAD`): with the quantization work filling the out-of-order window, the
@@ -204,6 +204,38 @@
 //! change), and an ambiguity check by `vreduceps` (the integer low-16-bit check is cheaper).
 //! Building a constant permute index with `std::array::from_fn` instead of a `const` compiled to a
 //! 64-iteration scalar loop per call; keep index tables `const`.
+//!
+//! # The permute kernel on Intel Emerald Rapids, measured (session 16)
+//! Intel Xeon, family 6 model 207 (AVX-512 with VBMI, VBMI2, BF16, FP16), 2 vCPUs under KVM at
+//! about 2.9 GHz (a dependent `imul` chain), no PMU in this VM; 2026-12-03. The host was noisy in a
+//! bimodal way (the same binary at 16K parameters ran 0.0195 or 0.025 ms per step, presumably the
+//! physical core's other hyperthread), so figures are best-of interleaved runs.
+//! - Throughput by independent chains, cycles per zmm instruction: `vpaddd`, `vfmadd`, `vmulps`,
+//!   `vminps`, `vcvttps2dq`, `vpternlogd` 0.55-0.6 (two pipes); `vpermt2ps`, `vpermb`, `vprold`,
+//!   `vpsrld`, `vpmaxud`, `vpminuw`, `vpunpcklbw`, `vpmovd2m` 1.0 (one pipe); `vpermt2b` 2.1;
+//!   `vsqrtps` 12.1, `vdivps` 10.5, and a square root plus a division 23.2 per 16 lanes whether
+//!   zmm or ymm, dependent or not: the divider alone bounds the update at 1.45 cycles/parameter.
+//! - The kernel (rounding form, bf16 gradients, the copy; 16K parameters, 1 thread): 0.0193-0.0196
+//!   ms per step, 3.4 cycles per parameter; the gather kernel 0.0197-0.0199, the permute kernel with
+//!   the exact affine finder 0.0238-0.0251, with the bucket table 0.0215. Ablations (best, each
+//!   wrong and only timed): without re-quantization 0.0117 (40% of the kernel), without the
+//!   dequantization permutes 0.0165 (15%), without square root and division 0.0176 (10%), without
+//!   re-quantization, square root and division 0.0094-0.011. Re-quantization alone (the rounding
+//!   form over L1-resident blocks): 19.2 cycles per 16 parameters for both moments, the exact
+//!   affine finder 34.1.
+//! - The slot of the rounding form is now `(key - off[binade]) >> S` (one subtraction and a
+//!   rotate, `crate::affine::Rounded`) instead of a compare of the key with the binade's switch
+//!   (subtract, arithmetic shift, add); the signed map's clamp is one `vrangeps`, and the running
+//!   minimum of the low 16 bits one unmasked `vpminuw` (the band check ignores the odd words):
+//!   5 fewer vector operations per 16 parameters, same bits, 2% faster here (0.0193-0.0196
+//!   against 0.0196-0.0200 ms).
+//! - Tried and not kept, both bit-identical: re-quantizing block `k - 1` during block `k`'s update,
+//!   so that the divider and the permutes overlap (0.0212-0.0221 against 0.0197-0.0201 ms; the
+//!   loop spilled, about 100 more instructions per 64 elements), and two loops per block, the
+//!   moments first and then the weights together with re-quantization (the absmax is known after
+//!   the moments; 0.0197-0.0205 against 0.0192-0.0198): the divider is not what limits the kernel.
+//!   Prefetching 1024 or 2048 elements ahead instead of 512: no difference beyond the noise at 64M
+//!   parameters on 2 threads.
 //!
 //! Every SIMD kernel does the reference's f32 operations in the reference's order, so parameters,
 //! codes and absmax are bit-identical on every path (tested on random data and on edge cases: every
@@ -1535,11 +1567,12 @@ mod x86 {
     /// A `Rounded` in registers.
     #[derive(Clone, Copy)]
     struct Rounded64 {
-        switch: [__m512i; 2],
+        off: [__m512i; 2],
         a: [__m512; 2],
         b: [__m512; 2],
         c: [__m512; 2],
-        /// `2 * d` in every 16-bit word: a lane is decided iff its low 16 bits are at least this.
+        /// `2 * d` in every even 16-bit word, 0 in the odd ones: a lane is decided iff its low 16
+        /// bits are at least this.
         band: __m512i,
     }
 
@@ -1554,11 +1587,11 @@ mod x86 {
                 };
                 let f = |p: *const f32| [_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16))];
                 Rounded64 {
-                    switch: i(t.switch.as_ptr()),
+                    off: i(t.off.as_ptr()),
                     a: f(t.a.as_ptr()),
                     b: f(t.b.as_ptr()),
                     c: f(t.c.as_ptr()),
-                    band: _mm512_set1_epi16(2 * t.d as i16),
+                    band: _mm512_set1_epi32(2 * t.d as i32),
                 }
             }
         }
@@ -1574,35 +1607,38 @@ mod x86 {
     #[inline]
     #[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vbmi")]
     unsafe fn rounded64<const SIGNED: bool>(x: *const f32, r: __m512, t: &Rounded64, least: &mut __m512i) -> __m512i {
-        let lo = _mm512_set1_epi32(AFFINE_LO_BITS as i32);
+        let lo = _mm512_castsi512_ps(_mm512_set1_epi32(AFFINE_LO_BITS as i32));
         let mut v = [_mm512_setzero_si512(); 4];
         let mut neg = [0u16; 4];
         for (s, vs) in v.iter_mut().enumerate() {
             // SAFETY: s < 4, within the 64 readable floats (caller).
             let q = _mm512_mul_ps(unsafe { _mm512_loadu_ps(x.add(16 * s)) }, r);
-            let bits = _mm512_castps_si512(q);
-            // |q| raised to 2^-31, on the bits (integer order is float order there): vector ALU
-            // operations, which leave the float pipes to the rest.
-            let mb = _mm512_max_epu32(
-                if SIGNED { _mm512_and_si512(bits, _mm512_set1_epi32(0x7fff_ffff)) } else { bits },
-                lo,
-            );
-            // The slot: the binade, minus one below the binade's switch (compared by key). Only
-            // the low 5 bits matter to the permutes, so a rotate (on the multiply pipes) stands
-            // in for the shift.
-            let e = _mm512_ror_epi32::<23>(mb);
-            let key = if SIGNED { _mm512_rol_epi32::<1>(bits) } else { bits };
-            let sw = _mm512_permutex2var_epi32(t.switch[0], e, t.switch[1]);
-            let j = _mm512_add_epi32(e, _mm512_srai_epi32::<31>(_mm512_sub_epi32(key, sw)));
+            // |q| raised to 2^-31 (`Rounded::fixed`'s `m`): for the signed map one `vrangeps`
+            // (the larger magnitude, sign cleared), else a max (q is a number >= +0 here).
+            let mb = _mm512_castps_si512(if SIGNED { _mm512_range_ps::<0b1011>(q, lo) } else { _mm512_max_ps(q, lo) });
+            // The slot: `(key - off[binade]) >> S`, the key raised to that of 2^-31 (for the
+            // unsigned map that is `mb`). Only the low 5 bits matter to the permutes, so rotates
+            // (on the multiply pipes on Zen 4) stand in for the shifts.
+            let j = if SIGNED {
+                let key = _mm512_max_epu32(
+                    _mm512_rol_epi32::<1>(_mm512_castps_si512(q)),
+                    _mm512_set1_epi32((AFFINE_LO_BITS << 1) as i32),
+                );
+                let off = _mm512_permutex2var_epi32(t.off[0], _mm512_ror_epi32::<24>(key), t.off[1]);
+                _mm512_ror_epi32::<24>(_mm512_sub_epi32(key, off))
+            } else {
+                let off = _mm512_permutex2var_epi32(t.off[0], _mm512_ror_epi32::<23>(mb), t.off[1]);
+                _mm512_ror_epi32::<23>(_mm512_sub_epi32(mb, off))
+            };
             let a = _mm512_permutex2var_ps(t.a[0], j, t.a[1]);
             let b = _mm512_permutex2var_ps(t.b[0], j, t.b[1]);
             let c = _mm512_permutex2var_ps(t.c[0], j, t.c[1]);
             *vs = _mm512_cvttps_epi32(_mm512_min_ps(_mm512_fmadd_ps(_mm512_castsi512_ps(mb), a, b), c));
-            // The low 16 bits are the even 16-bit words: a masked word minimum (the odd words of
-            // `least` keep their initial 0xffff).
-            *least = _mm512_mask_min_epu16(*least, 0x5555_5555, *least, *vs);
+            // The low 16 bits are the even 16-bit words; a word minimum over all of them (the
+            // band is 0 in the odd words, so those never flag the block).
+            *least = _mm512_min_epu16(*least, *vs);
             if SIGNED {
-                neg[s] = _mm512_movepi32_mask(bits);
+                neg[s] = _mm512_movepi32_mask(_mm512_castps_si512(q));
             }
         }
         // The index is byte 2 of each lane; for the signed map the code is 127 + index, or

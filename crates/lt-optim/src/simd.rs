@@ -57,14 +57,19 @@ fn detect() -> SimdLevel {
 }
 
 /// Whether the AVX-512 8-bit kernel dequantizes with byte permutes (the VBMI kernel) rather than
-/// gathers. Both give the same bits; which is faster depends on the core (see `kernels`): `vpermi2b`
-/// is one uop on AMD Zen 4, where the permute kernel was tuned, but three uops (2 cycles of
-/// throughput) on Intel cores from Ice Lake to Emerald Rapids, where the gather kernel is 12-19%
-/// faster. So: permutes on AMD CPUs with VBMI, gathers elsewhere; `LT_OPTIM_Q8_DEQUANT=gather` or
-/// `=permute` overrides the choice (the permute kernel still needs VBMI). Read once per process.
+/// gathers. Both give the same bits. `vpermi2b` is one uop on AMD Zen 4 but three (2 cycles of
+/// throughput) on Intel cores from Ice Lake to Emerald Rapids, where the gather kernel used to be
+/// 12-19% faster; with the rounding-form code finder, which only the VBMI kernel has, the permute
+/// kernel is the faster one there too (Emerald Rapids, 2026-12-03: 0.0192-0.0196 against
+/// 0.0197-0.0199 ms per step at 16K parameters on 1 thread, and faster in 3 of 4 interleaved
+/// rounds at 64M on 2; see `kernels`). So: permutes wherever the CPU has VBMI;
+/// `LT_OPTIM_Q8_DEQUANT=gather` or `=permute` overrides the choice (the permute kernel still needs
+/// VBMI). Read once per process.
 pub(crate) fn q8_permute_dequant() -> bool {
     static PERMUTE: OnceLock<bool> = OnceLock::new();
-    *PERMUTE.get_or_init(|| amd_unless_env("LT_OPTIM_Q8_DEQUANT", "gather", "permute") && has_vbmi())
+    *PERMUTE.get_or_init(|| {
+        named_or(std::env::var("LT_OPTIM_Q8_DEQUANT").ok().as_deref(), "gather", "permute", true) && has_vbmi()
+    })
 }
 
 /// How the AVX-512 VBMI kernel finds the new codes. All three give the same bits.
