@@ -142,7 +142,7 @@ impl AffineCodes {
         if !aff.verify(top, &tp, &tn) {
             return None;
         }
-        aff.rounded = Rounded::build(signed, &w, &tp, &tn, &runs);
+        aff.rounded = Rounded::build(signed, &w, &tp, &tn, &thr, &runs);
         Some(aff)
     }
 
@@ -281,22 +281,24 @@ pub(crate) struct Rounded {
 const SCALE: f32 = 65536.0;
 
 impl Rounded {
-    /// Derives the rounding form from the exact form's runs (`(first index, count, decade)`) and
-    /// proves it; `None` if the layout does not fit (two switches in a binade, one in the top
+    /// Derives the rounding form from the exact form's key thresholds (`thr[k - 1]`: the key where
+    /// index `k` starts) and runs (`(first index, count, decade)`) and proves it; `None` if the layout does not fit (two switches in a binade, one in the top
     /// binade) or no band up to `d = 256` verifies.
-    fn build(signed: bool, w: &[f64], tp: &[u32], tn: &[u32], runs: &[(usize, usize, i32)]) -> Option<Rounded> {
+    fn build(
+        signed: bool,
+        w: &[f64],
+        tp: &[u32],
+        tn: &[u32],
+        thr: &[u32; 256],
+        runs: &[(usize, usize, i32)],
+    ) -> Option<Rounded> {
         let top = w.len() - 1;
         // The first transition into index k, on either side.
         let into = |k: usize| if tn[k] == NEVER { tp[k] } else { tp[k].max(tn[k]) };
-        // Its switch key: the magnitude bits, or for the signed map `2 * t` on the positive side
-        // and `2 * t - 1` where the negative side gets there one ulp earlier (a tie), compared
-        // with the lane's key `2 * magnitude + sign` (as in `AffineCodes`).
-        let key = |k: usize| match (signed, tn[k]) {
-            (false, _) => Some(tp[k]),
-            (true, n) if n == NEVER || n == tp[k] => Some(2 * tp[k]),
-            (true, n) if n + 1 == tp[k] => Some(2 * tp[k] - 1),
-            _ => None,
-        };
+        // Its switch key: the exact form's threshold (the magnitude bits, or for the signed map
+        // `2 * t`, or `2 * t - 1` where the negative side gets there one ulp earlier, a tie),
+        // compared with the lane's key `2 * magnitude + sign`.
+        let key = |k: usize| thr[k - 1];
         // (start bits, switch key, a, b, c) of each run in lattice units, run 0 first.
         let t1 = f32::from_bits(into(1)) as f64;
         let mut runs_h: Vec<(u32, u32, f32, f32, f32)> = vec![(0, 0, (0.5 / t1) as f32, 0.5, f32::INFINITY)];
@@ -306,13 +308,13 @@ impl Rounded {
                 let edge = 10f64.powi(d);
                 let step = 9.0 * edge / lattice as f64;
                 let (a, b) = ((1.0 / step) as f32, (first as f64 - edge / step) as f32);
-                runs_h.push((into(first), key(first)?, a, b, (first + lattice) as f32 - 0.5));
+                runs_h.push((into(first), key(first), a, b, (first + lattice) as f32 - 0.5));
             }
             if lattice < count {
                 if first + count - 1 != top {
                     return None;
                 }
-                runs_h.push((into(top), key(top)?, 0.0, top as f32 + 0.5, f32::INFINITY));
+                runs_h.push((into(top), key(top), 0.0, top as f32 + 0.5, f32::INFINITY));
             }
         }
         let run_at = |m: u32| runs_h.iter().rposition(|p| p.0 <= m).unwrap_or(0);

@@ -1239,25 +1239,11 @@ mod x86 {
         ]
     }
 
-    /// 64 codes (the low byte of each i32 lane of `c[0..4]`, in order) packed into one vector with
-    /// two byte permutes and a blend (four `vpmovdb` would cost two uops each).
+    /// 64 codes (the low byte of each i32 lane of `c[0..4]`, in order) packed into one vector.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
     fn pack64(c: [__m512i; 4]) -> __m512i {
-        const LO: [u8; 64] = {
-            let mut t = [0u8; 64];
-            let mut i = 0;
-            while i < 64 {
-                t[i] = ((i % 32) * 4) as u8;
-                i += 1;
-            }
-            t
-        };
-        // SAFETY: LO holds 64 bytes.
-        let idx = unsafe { _mm512_loadu_si512(LO.as_ptr() as *const __m512i) };
-        let a = _mm512_permutex2var_epi8(c[0], idx, c[1]);
-        let b = _mm512_permutex2var_epi8(c[2], idx, c[3]);
-        _mm512_mask_blend_epi8(0xffff_ffff_0000_0000, a, b)
+        pack64_byte::<0>(c)
     }
 
     /// How far ahead of the update (in elements) `prefetch64` asks for the next data: two blocks of
@@ -1704,7 +1690,7 @@ mod x86 {
     }
 
     /// Byte `B` of each i32 lane of `c[0..4]`, in order, as 64 bytes: two byte permutes and a
-    /// blend (as `pack64`).
+    /// blend (four `vpmovdb` would cost two uops each).
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
     fn pack64_byte<const B: usize>(c: [__m512i; 4]) -> __m512i {
