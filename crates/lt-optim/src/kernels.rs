@@ -254,7 +254,7 @@ use crate::copy::bf16_rne;
 use crate::grad::{Grad, GradElem};
 use crate::pool::{ThreadPool, run_tasks};
 use crate::qmap::{QuantMaps, block_absmax};
-use crate::simd::{Q8Quant, SimdLevel, simd_level};
+use crate::simd::{Q8Dequant, Q8Quant, SimdLevel, simd_level};
 
 /// Per-step constants, converted to f32 where PyTorch / bitsandbytes convert their Python floats.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -323,8 +323,11 @@ pub(crate) const PAR_MIN: usize = 1 << 16;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct KernelPath {
     pub level: SimdLevel,
-    /// AVX-512: byte-permute dequantization (the VBMI kernel) instead of gathers.
-    pub permute: bool,
+    /// AVX-512: the VBMI kernel (codes packed with byte permutes; the affine and rounding code
+    /// finders) instead of the plain gather-and-table kernel.
+    pub vbmi: bool,
+    /// AVX-512 VBMI kernel: how the old codes are dequantized (byte-plane permutes or gathers).
+    pub dequant: Q8Dequant,
     /// AVX-512: the bf16 copy with `vcvtneps2bf16` (AVX512-BF16) instead of integer rounding.
     pub bf16_hw: bool,
     /// AVX2: the 8-bit kernel's table lookups with scalar loads instead of gathers.
@@ -336,14 +339,15 @@ pub(crate) struct KernelPath {
 }
 
 impl KernelPath {
-    /// The path for this process: [`simd_level`], `crate::simd::q8_permute_dequant`,
-    /// `crate::simd::q8_avx2_loads` and AVX512-BF16 detection.
+    /// The path for this process: [`simd_level`], VBMI detection, `crate::simd::q8_dequant`,
+    /// `crate::simd::q8_quant`, `crate::simd::q8_avx2_loads` and AVX512-BF16 detection.
     pub(crate) fn detect() -> KernelPath {
         let level = simd_level();
         let avx512 = level == SimdLevel::Avx512;
         KernelPath {
             level,
-            permute: avx512 && crate::simd::q8_permute_dequant(),
+            vbmi: avx512 && crate::simd::has_vbmi(),
+            dequant: crate::simd::q8_dequant(),
             bf16_hw: avx512 && crate::simd::has_avx512bf16(),
             loads: level == SimdLevel::Avx2 && crate::simd::q8_avx2_loads(),
             quant: if avx512 { crate::simd::q8_quant() } else { Q8Quant::Table },
@@ -353,7 +357,7 @@ impl KernelPath {
     /// The plain path of a level (gathers, integer bf16 rounding).
     #[cfg(test)]
     pub(crate) fn plain(level: SimdLevel) -> KernelPath {
-        KernelPath { level, permute: false, bf16_hw: false, loads: false, quant: Q8Quant::Table }
+        KernelPath { level, vbmi: false, dequant: Q8Dequant::Gather, bf16_hw: false, loads: false, quant: Q8Quant::Table }
     }
 }
 
@@ -370,6 +374,11 @@ pub(crate) const COPY_HW: u8 = 2;
 pub(crate) const QUANT_TABLE: u8 = 0;
 pub(crate) const QUANT_AFFINE: u8 = 1;
 pub(crate) const QUANT_ROUNDED: u8 = 2;
+
+/// How the VBMI kernel dequantizes the old codes (a const parameter): byte-plane permutes
+/// (`x86::dequant64`) or one 16-lane gather per moment and 16 elements.
+pub(crate) const DEQ_PERMUTE: u8 = 0;
+pub(crate) const DEQ_GATHER: u8 = 1;
 
 /// The copy mode of a path for an optional copy.
 fn copy_mode(path: KernelPath, copy: bool) -> u8 {
@@ -593,40 +602,21 @@ fn q8_run<G: GradElem>(p: &mut [f32], cp: &mut [bf16], g: &[G], mut s: Q8Slices<
             let b = s.block;
             let full = p.len() / b;
             let n = full * b;
-            type Kernel<G> = unsafe fn(
-                &mut [f32],
-                &mut [bf16],
-                &[G],
-                &mut [u8],
-                &mut [u8],
-                &mut [f32],
-                &mut [f32],
-                usize,
-                &Coeffs,
-                QuantMaps,
-            );
-            let permute = path.permute && b.is_multiple_of(64);
+            let vbmi = path.vbmi && b.is_multiple_of(64);
             // The affine code finders need both maps in their form (the default maps are).
             let (sa, ua) = (s.maps.signed.affine(), s.maps.unsigned.affine());
             let affine = sa.is_some_and(|a| a.signed) && ua.is_some_and(|a| !a.signed);
             let quant = match path.quant {
-                _ if !permute || !affine => QUANT_TABLE,
+                _ if !vbmi || !affine => QUANT_TABLE,
                 Q8Quant::Table => QUANT_TABLE,
                 Q8Quant::Rounded if sa.zip(ua).is_some_and(|(s, u)| s.rounded.is_some() && u.rounded.is_some()) => {
                     QUANT_ROUNDED
                 }
                 _ => QUANT_AFFINE,
             };
-            let kernel: Kernel<G> = match (permute, quant, copy) {
-                (true, QUANT_TABLE, NO_COPY) => x86::q8_blocks_avx512_vbmi::<G, NO_COPY, QUANT_TABLE>,
-                (true, QUANT_TABLE, COPY_INT) => x86::q8_blocks_avx512_vbmi::<G, COPY_INT, QUANT_TABLE>,
-                (true, QUANT_TABLE, _) => x86::q8_blocks_avx512_vbmi::<G, COPY_HW, QUANT_TABLE>,
-                (true, QUANT_AFFINE, NO_COPY) => x86::q8_blocks_avx512_vbmi::<G, NO_COPY, QUANT_AFFINE>,
-                (true, QUANT_AFFINE, COPY_INT) => x86::q8_blocks_avx512_vbmi::<G, COPY_INT, QUANT_AFFINE>,
-                (true, QUANT_AFFINE, _) => x86::q8_blocks_avx512_vbmi::<G, COPY_HW, QUANT_AFFINE>,
-                (true, _, NO_COPY) => x86::q8_blocks_avx512_vbmi::<G, NO_COPY, QUANT_ROUNDED>,
-                (true, _, COPY_INT) => x86::q8_blocks_avx512_vbmi::<G, COPY_INT, QUANT_ROUNDED>,
-                (true, _, _) => x86::q8_blocks_avx512_vbmi::<G, COPY_HW, QUANT_ROUNDED>,
+            let kernel: Kernel<G> = match (vbmi, path.dequant, copy) {
+                (true, Q8Dequant::Permute, _) => vbmi_kernel::<G, DEQ_PERMUTE>(quant, copy),
+                (true, Q8Dequant::Gather, _) => vbmi_kernel::<G, DEQ_GATHER>(quant, copy),
                 (false, _, NO_COPY) => x86::q8_blocks_avx512::<G, NO_COPY>,
                 (false, _, COPY_INT) => x86::q8_blocks_avx512::<G, COPY_INT>,
                 (false, _, _) => x86::q8_blocks_avx512::<G, COPY_HW>,
@@ -688,6 +678,27 @@ fn q8_run<G: GradElem>(p: &mut [f32], cp: &mut [bf16], g: &[G], mut s: Q8Slices<
             }
         }
         _ => q8_scalar_blocks(p, cp, g, &mut s, c, 0),
+    }
+}
+
+/// An AVX-512 8-bit kernel's signature (`x86::q8_blocks_avx512` and its VBMI form).
+#[cfg(target_arch = "x86_64")]
+type Kernel<G> =
+    unsafe fn(&mut [f32], &mut [bf16], &[G], &mut [u8], &mut [u8], &mut [f32], &mut [f32], usize, &Coeffs, QuantMaps);
+
+/// The VBMI kernel with dequantization `DEQ` for a code finder and a copy mode.
+#[cfg(target_arch = "x86_64")]
+fn vbmi_kernel<G: GradElem, const DEQ: u8>(quant: u8, copy: u8) -> Kernel<G> {
+    match (quant, copy) {
+        (QUANT_TABLE, NO_COPY) => x86::q8_blocks_avx512_vbmi::<G, NO_COPY, QUANT_TABLE, DEQ>,
+        (QUANT_TABLE, COPY_INT) => x86::q8_blocks_avx512_vbmi::<G, COPY_INT, QUANT_TABLE, DEQ>,
+        (QUANT_TABLE, _) => x86::q8_blocks_avx512_vbmi::<G, COPY_HW, QUANT_TABLE, DEQ>,
+        (QUANT_AFFINE, NO_COPY) => x86::q8_blocks_avx512_vbmi::<G, NO_COPY, QUANT_AFFINE, DEQ>,
+        (QUANT_AFFINE, COPY_INT) => x86::q8_blocks_avx512_vbmi::<G, COPY_INT, QUANT_AFFINE, DEQ>,
+        (QUANT_AFFINE, _) => x86::q8_blocks_avx512_vbmi::<G, COPY_HW, QUANT_AFFINE, DEQ>,
+        (_, NO_COPY) => x86::q8_blocks_avx512_vbmi::<G, NO_COPY, QUANT_ROUNDED, DEQ>,
+        (_, COPY_INT) => x86::q8_blocks_avx512_vbmi::<G, COPY_INT, QUANT_ROUNDED, DEQ>,
+        (_, _) => x86::q8_blocks_avx512_vbmi::<G, COPY_HW, QUANT_ROUNDED, DEQ>,
     }
 }
 
@@ -758,7 +769,9 @@ mod x86 {
 
     use half::bf16;
 
-    use super::{COPY_HW, Coeffs, NO_COPY, Q8Slices, QUANT_ROUNDED, QUANT_TABLE, fp32_generic, q8_scalar_blocks};
+    use super::{
+        COPY_HW, Coeffs, DEQ_PERMUTE, NO_COPY, Q8Slices, QUANT_ROUNDED, QUANT_TABLE, fp32_generic, q8_scalar_blocks,
+    };
     use crate::affine::{AFFINE_LO_BITS, AffineCodes, Rounded};
     use crate::config::MAX_BLOCK;
     use crate::copy::bf16_rne;
@@ -1239,6 +1252,17 @@ mod x86 {
         ]
     }
 
+    /// The map values of the 16 codes at `q`: one gather from the 256-entry table `code`.
+    ///
+    /// # Safety
+    /// `q` must be readable for 16 bytes and `code` for 256 floats.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn gather16(q: *const u8, code: *const f32) -> __m512 {
+        // SAFETY: 16 readable bytes at `q` (caller); every index is a u8, below 256.
+        unsafe { _mm512_i32gather_ps::<4>(_mm512_cvtepu8_epi32(_mm_loadu_si128(q as *const __m128i)), code) }
+    }
+
     /// 64 codes (the low byte of each i32 lane of `c[0..4]`, in order) packed into one vector.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
@@ -1303,7 +1327,7 @@ mod x86 {
     /// As `q8_blocks_avx512`, plus AVX-512 VBMI, and `block` a multiple of 64.
     #[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vbmi")]
     #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn q8_blocks_avx512_vbmi<G: GradElem, const COPY: u8, const QUANT: u8>(
+    pub(super) unsafe fn q8_blocks_avx512_vbmi<G: GradElem, const COPY: u8, const QUANT: u8, const DEQ: u8>(
         p: &mut [f32],
         cp: &mut [bf16],
         g: &[G],
@@ -1317,6 +1341,7 @@ mod x86 {
     ) {
         let (sm, um) = (maps.signed, maps.unsigned);
         let (splanes, uplanes) = (sm.planes(), um.planes());
+        let (scode, ucode) = (sm.code().as_ptr(), um.code().as_ptr());
         // The codes come from the rounding forms (QUANT_ROUNDED, whole blocks at a time), else
         // from the affine code finders (QUANT_AFFINE, or QUANT_ROUNDED for maps without rounding
         // forms; the caller checked that both maps have the affine form), else from the bucket
@@ -1362,13 +1387,26 @@ mod x86 {
                     if COPY != NO_COPY {
                         prefetch_copy64(base + j + PREFETCH_AHEAD, cpp);
                     }
-                    let cm = dequant64(_mm512_loadu_si512(qmp.add(base + j) as *const __m512i), splanes);
-                    let cv = dequant64(_mm512_loadu_si512(qvp.add(base + j) as *const __m512i), uplanes);
+                    // With permutes, all 64 old values of each moment at once; with gathers, 16 at
+                    // a time in the loop below (its registers are then free for the gathers).
+                    let (cm, cv) = if DEQ == DEQ_PERMUTE {
+                        (
+                            dequant64(_mm512_loadu_si512(qmp.add(base + j) as *const __m512i), splanes),
+                            dequant64(_mm512_loadu_si512(qvp.add(base + j) as *const __m512i), uplanes),
+                        )
+                    } else {
+                        ([_mm512_setzero_ps(); 4], [_mm512_setzero_ps(); 4])
+                    };
                     for s in 0..4 {
                         let o = base + j + 16 * s;
+                        let (cms, cvs) = if DEQ == DEQ_PERMUTE {
+                            (cm[s], cv[s])
+                        } else {
+                            (gather16(qmp.add(o), scode), gather16(qvp.add(o), ucode))
+                        };
                         let gr = G::load16(gp.add(o));
-                        let m1 = _mm512_fmadd_ps(cm[s], am_b1, _mm512_mul_ps(gr, gm));
-                        let v1 = _mm512_fmadd_ps(cv[s], av_b2, _mm512_mul_ps(_mm512_mul_ps(gr, gv), gr));
+                        let m1 = _mm512_fmadd_ps(cms, am_b1, _mm512_mul_ps(gr, gm));
+                        let v1 = _mm512_fmadd_ps(cvs, av_b2, _mm512_mul_ps(_mm512_mul_ps(gr, gv), gr));
                         let denom = _mm512_fmadd_ps(_mm512_sqrt_ps(v1), inv_bc2, eps);
                         let upd = _mm512_div_ps(_mm512_mul_ps(m1, neg_step), denom);
                         let pn = _mm512_fmadd_ps(_mm512_loadu_ps(pp.add(o)), decay, upd);
@@ -2196,17 +2234,21 @@ mod tests {
         }
     }
 
-    /// The SIMD paths this CPU can run: AVX-512 with gathers and with byte permutes (VBMI), each
-    /// with integer and with `vcvtneps2bf16` bf16 rounding (AVX512-BF16), and AVX2.
+    /// The SIMD paths this CPU can run: AVX-512 with the plain gather kernel and with the VBMI
+    /// kernel (each dequantization with each code finder), each with integer and with
+    /// `vcvtneps2bf16` bf16 rounding (AVX512-BF16), and AVX2.
     fn paths() -> Vec<KernelPath> {
         let mut v = Vec::new();
         if simd_level() >= SimdLevel::Avx512 {
-            for permute in [false, true].into_iter().filter(|&p| !p || crate::simd::has_vbmi()) {
-                for bf16_hw in [false, true].into_iter().filter(|&h| !h || crate::simd::has_avx512bf16()) {
-                    let quants: &[Q8Quant] =
-                        if permute { &[Q8Quant::Table, Q8Quant::Affine, Q8Quant::Rounded] } else { &[Q8Quant::Table] };
-                    for &quant in quants {
-                        v.push(KernelPath { level: SimdLevel::Avx512, permute, bf16_hw, loads: false, quant });
+            for bf16_hw in [false, true].into_iter().filter(|&h| !h || crate::simd::has_avx512bf16()) {
+                let plain = KernelPath { bf16_hw, ..KernelPath::plain(SimdLevel::Avx512) };
+                v.push(plain);
+                if !crate::simd::has_vbmi() {
+                    continue;
+                }
+                for dequant in [Q8Dequant::Permute, Q8Dequant::Gather] {
+                    for quant in [Q8Quant::Table, Q8Quant::Affine, Q8Quant::Rounded] {
+                        v.push(KernelPath { vbmi: true, dequant, quant, ..plain });
                     }
                 }
             }

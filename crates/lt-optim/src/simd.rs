@@ -56,19 +56,28 @@ fn detect() -> SimdLevel {
     SimdLevel::Scalar
 }
 
-/// Whether the AVX-512 8-bit kernel dequantizes with byte permutes (the VBMI kernel) rather than
-/// gathers. Both give the same bits. `vpermi2b` is one uop on AMD Zen 4 but three (2 cycles of
-/// throughput) on Intel cores from Ice Lake to Emerald Rapids, where the gather kernel used to be
-/// 12-19% faster; with the rounding-form code finder, which only the VBMI kernel has, the permute
-/// kernel is the faster one there too (Emerald Rapids, 2026-12-03: 0.0192-0.0196 against
-/// 0.0197-0.0199 ms per step at 16K parameters on 1 thread, and faster in 3 of 4 interleaved
-/// rounds at 64M on 2; see `kernels`). So: permutes wherever the CPU has VBMI;
-/// `LT_OPTIM_Q8_DEQUANT=gather` or `=permute` overrides the choice (the permute kernel still needs
-/// VBMI). Read once per process.
-pub(crate) fn q8_permute_dequant() -> bool {
-    static PERMUTE: OnceLock<bool> = OnceLock::new();
-    *PERMUTE.get_or_init(|| {
-        named_or(std::env::var("LT_OPTIM_Q8_DEQUANT").ok().as_deref(), "gather", "permute", true) && has_vbmi()
+/// How the AVX-512 VBMI 8-bit kernel dequantizes the old codes. Both give the same bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Q8Dequant {
+    /// Each byte of the f32 map values is a 256-entry byte table read with `vpermi2b`: four
+    /// planes, two permutes and a blend each, then interleaved back into f32 lanes.
+    Permute,
+    /// One 16-lane `vpgatherdd` from the 256-entry f32 table per moment and 16 elements.
+    Gather,
+}
+
+/// The VBMI kernel's dequantization: `vpermi2b` is one uop on AMD Zen 4, where a 16-lane gather
+/// took about 20 cycles, but three (2 cycles of throughput, on the one shuffle port that the code
+/// finder's permutes also need) on Intel cores from Ice Lake to Emerald Rapids, where gathers run
+/// on the load ports. Measured on Emerald Rapids (2026-12-03, bf16 copy, one process alternating
+/// the two by step): 0.0177-0.0179 against 0.0198-0.0201 ms per step at 16K parameters on 1
+/// thread, 42.3-45.3 against 47.8-50.6 ms median at 64M on 2 threads. So: permutes on AMD CPUs,
+/// gathers elsewhere; `LT_OPTIM_Q8_DEQUANT=gather` or `=permute` overrides the choice. Read once per
+/// process.
+pub(crate) fn q8_dequant() -> Q8Dequant {
+    static DEQUANT: OnceLock<Q8Dequant> = OnceLock::new();
+    *DEQUANT.get_or_init(|| {
+        if amd_unless_env("LT_OPTIM_Q8_DEQUANT", "gather", "permute") { Q8Dequant::Permute } else { Q8Dequant::Gather }
     })
 }
 
@@ -125,15 +134,21 @@ fn named_or(value: Option<&str>, off: &str, on: &str, default: bool) -> bool {
     }
 }
 
-/// The name of the 8-bit kernel family in use: `avx512-permute-rounded`, `avx512-permute-affine`,
-/// `avx512-permute`,
-/// `avx512-gather`, `avx2-loads`, `avx2-gather` or `scalar` (for benchmark reports; see
-/// [`simd_level`], `LT_OPTIM_Q8_DEQUANT` and `LT_OPTIM_Q8_QUANT`).
+/// The name of the 8-bit kernel family in use (for benchmark reports; see [`simd_level`],
+/// `LT_OPTIM_Q8_DEQUANT` and `LT_OPTIM_Q8_QUANT`): on CPUs with AVX-512 VBMI
+/// `avx512-<dequantization>-<code finder>` (`permute` or `gather`; `rounded`, `affine` or `table`,
+/// e.g. `avx512-gather-rounded`), `avx512-gather` (AVX-512 without VBMI: gathers and the bucket
+/// table), `avx2-loads`, `avx2-gather` or `scalar`.
 pub fn q8_kernel_name() -> &'static str {
     match simd_level() {
-        SimdLevel::Avx512 if q8_permute_dequant() && q8_quant() == Q8Quant::Rounded => "avx512-permute-rounded",
-        SimdLevel::Avx512 if q8_permute_dequant() && q8_quant() == Q8Quant::Affine => "avx512-permute-affine",
-        SimdLevel::Avx512 if q8_permute_dequant() => "avx512-permute",
+        SimdLevel::Avx512 if has_vbmi() => match (q8_dequant(), q8_quant()) {
+            (Q8Dequant::Permute, Q8Quant::Rounded) => "avx512-permute-rounded",
+            (Q8Dequant::Permute, Q8Quant::Affine) => "avx512-permute-affine",
+            (Q8Dequant::Permute, Q8Quant::Table) => "avx512-permute-table",
+            (Q8Dequant::Gather, Q8Quant::Rounded) => "avx512-gather-rounded",
+            (Q8Dequant::Gather, Q8Quant::Affine) => "avx512-gather-affine",
+            (Q8Dequant::Gather, Q8Quant::Table) => "avx512-gather-table",
+        },
         SimdLevel::Avx512 => "avx512-gather",
         SimdLevel::Avx2 if q8_avx2_loads() => "avx2-loads",
         SimdLevel::Avx2 => "avx2-gather",
