@@ -8,6 +8,7 @@
 #   lt bench optimizer --optimizer adamw8bit --grad-dtype bf16 --write-copy bf16   (+ the upload copy)
 #   lt bench optimizer --optimizer adamw     --grad-dtype bf16 | f32
 #   torch.optim.AdamW(fused=True) on CPU                        (tools/bench/torch_adamw.py)
+#   the same with PyTorch's huge-page allocation (--thp), since lt's host buffers use huge pages
 #   bitsandbytes.optim.AdamW8bit on CPU (fewer steps: it runs at ~0.05 Gparam/s)
 # and prints a table of medians over the rounds with each one's ratio to torch fused, then each
 # round's ratio of the lt 8-bit rows to torch fused in that round (the acceptance figure is the
@@ -38,6 +39,8 @@ for r in $(seq 1 "$REPEATS"); do
             --threads "$THREADS" --steps "$STEPS" --warmup "$WARMUP" --json 2> >(tee "$HUMAN" >&2) | tail -n 1 >> "$OUT"
     done
     python3 tools/bench/torch_adamw.py --impl torch-fused --params "$PARAMS" --threads "$THREADS" \
+        --steps "$STEPS" --warmup "$WARMUP" 2>/dev/null | tail -n 1 >> "$OUT"
+    python3 tools/bench/torch_adamw.py --impl torch-fused --thp --params "$PARAMS" --threads "$THREADS" \
         --steps "$STEPS" --warmup "$WARMUP" 2>/dev/null | tail -n 1 >> "$OUT"
     python3 tools/bench/torch_adamw.py --impl bnb-8bit --params "$PARAMS" --threads "$THREADS" \
         --steps 2 --warmup 1 2>/dev/null | tail -n 1 >> "$OUT"
@@ -78,5 +81,9 @@ for i, r in enumerate(rounds, 1):
         continue
     cells = [f"{n} {dt}{' + copy' if cp == 'bf16' else ''} {r[(n, dt, cp)] / t:.2f}x"
              for (n, dt, cp) in sorted(r) if n == "adamw8bit"]
+    thp = r.get(("torch-fused-thp", "f32", "none"))
+    acc = r.get(("adamw8bit", "bf16", "bf16"))
+    if thp and acc:
+        cells.append(f"(adamw8bit bf16 + copy against torch fused with huge pages {acc / thp:.2f}x)")
     print(f"  round {i}: " + ", ".join(cells))
 PY

@@ -3,7 +3,8 @@
 //! `lt-core` sits at the bottom of the crate graph: every other crate depends on it and it depends on
 //! nothing heavy (no Burn, no I/O engines). It holds the validated model configuration parsed from a
 //! Hugging Face `config.json`, the parameter inventory derived from it, byte sizes, hardware
-//! profiles, and the host CPU label that every host-speed figure carries ([`host::HostCpu`]).
+//! profiles, the host CPU label that every host-speed figure carries ([`host::HostCpu`]), and the
+//! huge-page-backed allocation of the large host buffers ([`hostmem`]).
 //!
 //! ```
 //! use lt_core::config::ModelConfig;
@@ -19,6 +20,7 @@ pub mod config;
 pub mod hardware;
 pub mod hash;
 pub mod host;
+pub mod hostmem;
 pub mod rng;
 pub mod size;
 

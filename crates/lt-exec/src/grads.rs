@@ -6,6 +6,7 @@
 use std::sync::Mutex;
 
 use burn::tensor::{DType, TensorData};
+use lt_core::hostmem::huge_vec;
 use lt_model::host::HostModel;
 use lt_optim::grad::accumulate_into;
 use lt_optim::{Grad, ThreadPool};
@@ -44,12 +45,12 @@ impl HostGrads {
             layers: host
                 .layers
                 .iter()
-                .map(|l| Mutex::new(l.tensors.iter().map(|t| vec![0.0; t.data.len()]).collect()))
+                .map(|l| Mutex::new(l.tensors.iter().map(|t| huge_vec(t.data.len(), 0.0)).collect()))
                 .collect(),
             head: Mutex::new(HeadGrads {
-                embed_tokens: vec![0.0; host.embed_tokens.data.len()],
+                embed_tokens: huge_vec(host.embed_tokens.data.len(), 0.0),
                 norm: vec![0.0; host.norm.data.len()],
-                lm_head: host.lm_head.as_ref().map(|t| vec![0.0; t.data.len()]),
+                lm_head: host.lm_head.as_ref().map(|t| huge_vec(t.data.len(), 0.0)),
             }),
         }
     }
@@ -64,13 +65,13 @@ impl HostGrads {
                 .iter()
                 .map(|l| {
                     let l = l.read().unwrap_or_else(|e| e.into_inner());
-                    Mutex::new(l.tensors.iter().map(|t| vec![0.0; t.data.len()]).collect())
+                    Mutex::new(l.tensors.iter().map(|t| huge_vec(t.data.len(), 0.0)).collect())
                 })
                 .collect(),
             head: Mutex::new(HeadGrads {
-                embed_tokens: vec![0.0; head.embed_tokens.data.len()],
+                embed_tokens: huge_vec(head.embed_tokens.data.len(), 0.0),
                 norm: vec![0.0; head.norm.data.len()],
-                lm_head: head.lm_head.as_ref().map(|t| vec![0.0; t.data.len()]),
+                lm_head: head.lm_head.as_ref().map(|t| huge_vec(t.data.len(), 0.0)),
             }),
         }
     }

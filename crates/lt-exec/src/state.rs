@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
 
 use lt_core::ModelConfig;
+use lt_core::hostmem::huge_vec;
 use lt_model::host::{HostLayer, HostModel, HostTensor};
 use lt_model::upload::Bf16Copy;
 use lt_optim::{OptimError, ThreadPool, bf16, fill_bf16};
@@ -106,7 +107,7 @@ impl SharedModel {
                     if !uploaded {
                         return Ok(None);
                     }
-                    let mut c = vec![bf16::ZERO; t.data.len()];
+                    let mut c = huge_vec(t.data.len(), bf16::ZERO);
                     fill_bf16(&t.data, &mut c, pool)?;
                     Ok(Some(Arc::new(c)))
                 })

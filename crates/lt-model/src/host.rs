@@ -133,7 +133,8 @@ impl HostModel {
             if spec_name.ends_with("A_log") {
                 return (0..n).map(|_| (1.0 + 15.0 * rng.next_f64()).ln() as f32).collect();
             }
-            let mut out = Vec::with_capacity(n);
+            // The weight matrices: large and long-lived, so on huge pages (`lt_core::hostmem`).
+            let mut out = lt_core::hostmem::huge_with_capacity(n);
             while out.len() < n {
                 // Box-Muller: two normals from two uniforms in (0, 1].
                 let u1 = 1.0 - rng.next_f64();

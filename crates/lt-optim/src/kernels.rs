@@ -357,7 +357,14 @@ impl KernelPath {
     /// The plain path of a level (gathers, integer bf16 rounding).
     #[cfg(test)]
     pub(crate) fn plain(level: SimdLevel) -> KernelPath {
-        KernelPath { level, vbmi: false, dequant: Q8Dequant::Gather, bf16_hw: false, loads: false, quant: Q8Quant::Table }
+        KernelPath {
+            level,
+            vbmi: false,
+            dequant: Q8Dequant::Gather,
+            bf16_hw: false,
+            loads: false,
+            quant: Q8Quant::Table,
+        }
     }
 }
 

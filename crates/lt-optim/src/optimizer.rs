@@ -13,6 +13,7 @@ use crate::config::{AdamWConfig, OptimizerKind, Quant8Config};
 use crate::error::{OptimError, Result};
 use crate::grad::Grad;
 use half::bf16;
+use lt_core::hostmem::huge_vec;
 
 use crate::kernels::{Coeffs, KernelPath, Q8Slices, update_fp32, update_q8};
 use crate::pool::ThreadPool;
@@ -318,14 +319,14 @@ impl TensorState {
                 let blocks = numel.div_ceil(block_size);
                 Moments::Q8(Q8State {
                     block: block_size,
-                    qm: vec![127; numel],
-                    qv: vec![0; numel],
+                    qm: huge_vec(numel, 127),
+                    qv: huge_vec(numel, 0),
                     am: vec![0.0; blocks],
                     av: vec![0.0; blocks],
                     maps,
                 })
             }
-            _ => Moments::Fp32 { m: vec![0.0; numel], v: vec![0.0; numel] },
+            _ => Moments::Fp32 { m: huge_vec(numel, 0.0), v: huge_vec(numel, 0.0) },
         };
         TensorState { name: name.to_string(), numel, last_step: 0, moments }
     }

@@ -231,7 +231,9 @@ impl SafetensorsModel {
 
     /// Read a tensor converted to f32.
     pub fn read_f32(&self, name: &str) -> Result<Vec<f32>, StorageError> {
-        let mut v = Vec::new();
+        // Masters are long-lived and streamed every step: on huge pages (see `lt_core::hostmem`).
+        let numel = self.meta(name).map_or(0, |m| m.shape.iter().product());
+        let mut v = lt_core::hostmem::huge_with_capacity(numel);
         self.read_f32_into(name, &mut v)?;
         Ok(v)
     }

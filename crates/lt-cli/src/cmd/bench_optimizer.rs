@@ -21,6 +21,7 @@ use std::time::Instant;
 use anyhow::{Context, bail};
 use clap::ValueEnum;
 use lt_core::HostCpu;
+use lt_core::hostmem::{huge_collect, huge_vec};
 use lt_optim::{
     AdamW, AdamWConfig, Grad, OptimizerKind, Quant8Config, StepOutcome, ThreadPool, bf16, fill_bf16, q8_kernel_name,
     simd_level,
@@ -122,14 +123,14 @@ pub fn run(args: &BenchOptimizerArgs) -> anyhow::Result<()> {
     let grad = match args.grad_dtype {
         GradDtype::F32 => Grad::F32(&g32),
         GradDtype::Bf16 => {
-            g16 = g32.iter().map(|&x| bf16::from_f32(x)).collect();
+            g16 = huge_collect(n, g32.iter().map(|&x| bf16::from_f32(x)));
             Grad::Bf16(&g16)
         }
     };
     let norm = lt_optim::grad::sum_squares(grad, &pool).sqrt();
     let mut copy: Vec<bf16> = Vec::new();
     if args.write_copy == WriteCopy::Bf16 {
-        copy = vec![bf16::ZERO; n];
+        copy = huge_vec(n, bf16::ZERO);
         fill_bf16(&params, &mut copy, &pool).context("filling the bf16 copy")?;
     }
 
@@ -165,8 +166,9 @@ fn synthetic_inputs(n: usize) -> (Vec<f32>, Vec<f32>) {
         rng ^= rng << 17;
         ((rng >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     };
-    let params: Vec<f32> = (0..n).map(|_| 0.05 * next()).collect();
-    let g32: Vec<f32> = (0..n).map(|i| next() * 10f32.powi(-((i / 4096) as i32 % 4))).collect();
+    // On huge pages, as the trainer's masters and gradients are (`lt_core::hostmem`).
+    let params: Vec<f32> = huge_collect(n, (0..n).map(|_| 0.05 * next()));
+    let g32: Vec<f32> = huge_collect(n, (0..n).map(|i| next() * 10f32.powi(-((i / 4096) as i32 % 4))));
     (params, g32)
 }
 
