@@ -4,17 +4,20 @@
 # Usage: tools/bench_optimizer_vs_torch.sh [PARAMS] [THREADS] [REPEATS]   (defaults: 64M 2 3)
 #
 # Builds `lt` in release mode, then REPEATS rounds, each running once, back to back:
-#   lt bench optimizer --optimizer adamw8bit --grad-dtype bf16 | f32
 #   lt bench optimizer --optimizer adamw8bit --grad-dtype bf16 --write-copy bf16   (+ the upload copy)
-#   lt bench optimizer --optimizer adamw     --grad-dtype bf16 | f32
 #   torch.optim.AdamW(fused=True) on CPU                        (tools/bench/torch_adamw.py)
-#   the same with PyTorch's huge-page allocation (--thp), since lt's host buffers use huge pages
+#   lt bench optimizer --optimizer adamw8bit --grad-dtype bf16 | f32
+#   the same torch with PyTorch's huge-page allocation (--thp), as lt's host buffers use huge pages
+#   lt bench optimizer --optimizer adamw     --grad-dtype bf16 | f32
 #   bitsandbytes.optim.AdamW8bit on CPU (fewer steps: it runs at ~0.05 Gparam/s)
 # and prints a table of medians over the rounds with each one's ratio to torch fused, then each
 # round's ratio of the lt 8-bit rows to torch fused in that round (the acceptance figure is the
-# 8-bit update with the bf16 copy, in every round).
-# Interleaving the rounds exposes every configuration to the same background load; on a shared
-# machine, quote the ratios rather than the absolute figures.
+# 8-bit update with the bf16 copy, in every round: it runs right before torch fused, so that the
+# two see the same background load as far as sequential runs can).
+# Each run's figure is the median of STEPS timed steps (default 30, about 1.5 s at 64M, so that
+# a burst of load shorter than half a run does not move it). Interleaving the rounds exposes every
+# configuration to the same background load; on a shared machine, quote the ratios rather than the
+# absolute figures.
 # Needs: cargo, python3 with torch and bitsandbytes (CPU), ~3 GiB of free memory at 64M params.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +25,7 @@ cd "$(dirname "$0")/.."
 PARAMS=${1:-64M}
 THREADS=${2:-2}
 REPEATS=${3:-3}
-STEPS=${STEPS:-10}
+STEPS=${STEPS:-30}
 WARMUP=${WARMUP:-3}
 
 cargo build --release -p lt-cli >&2
@@ -31,17 +34,25 @@ OUT=$(mktemp)
 HUMAN=$(mktemp)
 trap 'rm -f "$OUT" "$HUMAN"' EXIT
 
+# lt_run OPTIMIZER GRAD_DTYPE COPY; torch_run IMPL [--thp]
+lt_run() {
+    "$LT" bench optimizer --optimizer "$1" --grad-dtype "$2" --write-copy "$3" --params "$PARAMS" \
+        --threads "$THREADS" --steps "$STEPS" --warmup "$WARMUP" --json 2> >(tee "$HUMAN" >&2) | tail -n 1 >> "$OUT"
+}
+torch_run() {
+    python3 tools/bench/torch_adamw.py --impl "$@" --params "$PARAMS" --threads "$THREADS" \
+        --steps "$STEPS" --warmup "$WARMUP" 2>/dev/null | tail -n 1 | tee -a "$OUT" | sed 's/^/torch: /' >&2
+}
 for r in $(seq 1 "$REPEATS"); do
     echo "round $r/$REPEATS" >&2
-    for cfg in "adamw8bit bf16 none" "adamw8bit bf16 bf16" "adamw8bit f32 none" "adamw bf16 none" "adamw f32 none"; do
-        set -- $cfg
-        "$LT" bench optimizer --optimizer "$1" --grad-dtype "$2" --write-copy "$3" --params "$PARAMS" \
-            --threads "$THREADS" --steps "$STEPS" --warmup "$WARMUP" --json 2> >(tee "$HUMAN" >&2) | tail -n 1 >> "$OUT"
-    done
-    python3 tools/bench/torch_adamw.py --impl torch-fused --params "$PARAMS" --threads "$THREADS" \
-        --steps "$STEPS" --warmup "$WARMUP" 2>/dev/null | tail -n 1 >> "$OUT"
-    python3 tools/bench/torch_adamw.py --impl torch-fused --thp --params "$PARAMS" --threads "$THREADS" \
-        --steps "$STEPS" --warmup "$WARMUP" 2>/dev/null | tail -n 1 >> "$OUT"
+    echo "{\"round\": $r}" >> "$OUT"
+    lt_run adamw8bit bf16 bf16
+    torch_run torch-fused
+    lt_run adamw8bit bf16 none
+    lt_run adamw8bit f32 none
+    torch_run torch-fused --thp
+    lt_run adamw bf16 none
+    lt_run adamw f32 none
     python3 tools/bench/torch_adamw.py --impl bnb-8bit --params "$PARAMS" --threads "$THREADS" \
         --steps 2 --warmup 1 2>/dev/null | tail -n 1 >> "$OUT"
 done
@@ -50,14 +61,16 @@ done
 sed -n 's/.*; host /host: /p' "$HUMAN"
 python3 - "$OUT" <<'PY'
 import json, statistics, sys
-rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip().startswith("{")]
+lines = [json.loads(l) for l in open(sys.argv[1]) if l.strip().startswith("{")]
+rows = [r for r in lines if "round" not in r]
 groups = {}
 rounds = []
-for r in rows:
+for r in lines:
+    if "round" in r:
+        rounds.append({})
+        continue
     key = (r["optimizer"], r["grad_dtype"], r.get("write_copy", "none"))
     groups.setdefault(key, []).append(r)
-    if r["optimizer"] == "adamw8bit" and r["grad_dtype"] == "bf16" and key[2] == "none":
-        rounds.append({})
     if rounds:
         rounds[-1][key] = r["gparams_per_s"]
 med = {k: statistics.median(x["gparams_per_s"] for x in v) for k, v in groups.items()}
@@ -65,13 +78,13 @@ base_key = ("torch-fused", "f32", "none")
 base = med.get(base_key)
 kernel = next((x.get("kernel") for x in rows if x.get("kernel")), "n/a")
 print(f"lt 8-bit kernel: {kernel}")
-print(f"{'optimizer':<12} {'grads':<5} {'copy':<5} {'runs':>4} {'Gparam/s':>9} {'min..max':>13} {'x torch fused':>13} "
+print(f"{'optimizer':<15} {'grads':<5} {'copy':<5} {'runs':>4} {'Gparam/s':>9} {'min..max':>13} {'x torch fused':>13} "
       f"{'B/param moved':>13} {'GB/s':>6} {'state B/param':>13}")
 for key, v in sorted(groups.items(), key=lambda kv: -med[kv[0]]):
     name, dt, cp = key
     g = [x["gparams_per_s"] for x in v]
     ratio = f"{med[key] / base:.2f}x" if base else "n/a"
-    print(f"{name:<12} {dt:<5} {cp:<5} {len(v):>4} {med[key]:>9.3f} {min(g):>6.3f}..{max(g):<6.3f} {ratio:>13} "
+    print(f"{name:<15} {dt:<5} {cp:<5} {len(v):>4} {med[key]:>9.3f} {min(g):>6.3f}..{max(g):<6.3f} {ratio:>13} "
           f"{v[0]['bytes_per_param']:>13.2f} {med[key] * v[0]['bytes_per_param']:>6.1f} "
           f"{statistics.median(x['state_bytes_per_param'] for x in v):>13.3f}")
 print("per round, x torch fused of the same round:")
