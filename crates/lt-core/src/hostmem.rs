@@ -105,6 +105,6 @@ mod tests {
             }
         }
         std::hint::black_box(&v);
-        assert!(huge_kb > 0, "no huge pages behind a {} MiB buffer (THP mode {})", 4 * n >> 20, mode.trim());
+        assert!(huge_kb > 0, "no huge pages behind a {} MiB buffer (THP mode {})", (4 * n) >> 20, mode.trim());
     }
 }

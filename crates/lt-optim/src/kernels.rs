@@ -18,16 +18,18 @@
 //! - Re-quantization multiplies by the block's reciprocal absmax (the rule of [`crate::qmap`]), then
 //!   one table read and one integer compare per element find the exact nearest code of that value
 //!   (for the default maps with the bucket shifts as immediates).
-//! - Two AVX-512 kernels: the *gather* kernel (`x86::q8_blocks_avx512`) dequantizes with gathers
-//!   and re-quantizes each block after its update; the *permute* kernel
-//!   (`x86::q8_blocks_avx512_vbmi`, AVX-512 VBMI) dequantizes and packs codes with byte permutes
-//!   and, by default, finds the new codes with the rounding form of the affine code finder
+//! - Two AVX-512 kernels: the *plain* kernel (`x86::q8_blocks_avx512`, AVX-512 without VBMI)
+//!   dequantizes with gathers and re-quantizes each block after its update with the bucket table;
+//!   the *VBMI* kernel (`x86::q8_blocks_avx512_vbmi`) packs codes with byte permutes and, by
+//!   default, finds the new codes with the rounding form of the affine code finder
 //!   (`crate::affine::Rounded`: register permutes, one fixed-point estimate whose top bits are the
 //!   code away from transitions, the exact finder for the rare blocks with a lane near one; no
-//!   gather, no table compare; `LT_OPTIM_Q8_QUANT=table|affine|rounded` to override). With the rounding
-//!   form the permute kernel is the faster one on AMD Zen 4 and on Intel Emerald Rapids (below), so
-//!   it runs wherever the CPU has VBMI (`crate::simd::q8_permute_dequant`,
-//!   `LT_OPTIM_Q8_DEQUANT=gather|permute` to override).
+//!   gather, no table compare; `LT_OPTIM_Q8_QUANT=table|affine|rounded` to override). It runs
+//!   wherever the CPU has VBMI, and dequantizes with byte-plane permutes on AMD (one uop each on
+//!   Zen 4, where gathers are slow) or with gathers elsewhere (`vpermi2b` is three uops on Intel
+//!   and competes with the code finder's permutes for the shuffle port; 11% faster on Emerald
+//!   Rapids, session 17 in `docs/benchmarks.md`): `crate::simd::q8_dequant`,
+//!   `LT_OPTIM_Q8_DEQUANT=gather|permute` to override.
 //! - Every SIMD kernel prefetches parameters, gradients and codes 512 elements ahead
 //!   (`x86::PREFETCH_AHEAD`): with the quantization work filling the out-of-order window, the
 //!   hardware prefetchers alone left the update waiting on memory at DRAM sizes.
@@ -1317,8 +1319,10 @@ mod x86 {
         }
     }
 
-    /// `q8_blocks_avx512` with gather-free dequantization (`dequant64`), and with `AFFINE`
-    /// gather-free re-quantization (`affine64`). Per block: one loop updates the moments and the
+    /// `q8_blocks_avx512` with codes packed by byte permutes, dequantizing by byte-plane permutes
+    /// (`dequant64`, `DEQ == DEQ_PERMUTE`) or by gathers (`gather16`, `DEQ == DEQ_GATHER`), and
+    /// finding the new codes by `QUANT`: the rounding forms (`rounded_block`), the affine code
+    /// finders (`affine64`) or the bucket tables. Per block: one loop updates the moments and the
     /// weights 64 elements at a time (the moments into an L1 scratch), then, once the block's
     /// absmax is known, one loop finds the new codes from the scratch. The arithmetic is exactly
     /// the scalar reference's (`q8_block_scalar`), so codes, absmax and parameters are
