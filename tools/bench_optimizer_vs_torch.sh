@@ -3,17 +3,21 @@
 #
 # Usage: tools/bench_optimizer_vs_torch.sh [PARAMS] [THREADS] [REPEATS]   (defaults: 64M 2 3)
 #
-# Builds `lt` in release mode, then REPEATS rounds, each running once, back to back:
+# Builds `lt` in release mode, then REPEATS rounds, each running once:
 #   lt bench optimizer --optimizer adamw8bit --grad-dtype bf16 --write-copy bf16   (+ the upload copy)
-#   torch.optim.AdamW(fused=True) on CPU                        (tools/bench/torch_adamw.py)
+#   and torch.optim.AdamW(fused=True) on CPU (tools/bench/torch_adamw.py), at the same time,
+#   taking turns (--turns: TURN_STEPS timed steps each, default 5, alternating through two named
+#   pipes, after a start-up lap so that neither times a step while the other starts up);
+# then, back to back:
 #   lt bench optimizer --optimizer adamw8bit --grad-dtype bf16 | f32
 #   the same torch with PyTorch's huge-page allocation (--thp), as lt's host buffers use huge pages
 #   lt bench optimizer --optimizer adamw     --grad-dtype bf16 | f32
 #   bitsandbytes.optim.AdamW8bit on CPU (fewer steps: it runs at ~0.05 Gparam/s)
 # and prints a table of medians over the rounds with each one's ratio to torch fused, then each
 # round's ratio of the lt 8-bit rows to torch fused in that round (the acceptance figure is the
-# 8-bit update with the bf16 copy, in every round: it runs right before torch fused, so that the
-# two see the same background load as far as sequential runs can).
+# 8-bit update with the bf16 copy, in every round: it takes turns with torch fused every ~0.25 s,
+# so that the two see the same background load; run one after the other, a burst of load on this
+# shared machine often fell on one of them only).
 # Each run's figure is the median of STEPS timed steps (default 30, about 1.5 s at 64M, so that
 # a burst of load shorter than half a run does not move it). Interleaving the rounds exposes every
 # configuration to the same background load; on a shared machine, quote the ratios rather than the
@@ -27,27 +31,58 @@ THREADS=${2:-2}
 REPEATS=${3:-3}
 STEPS=${STEPS:-30}
 WARMUP=${WARMUP:-3}
+TURN_STEPS=${TURN_STEPS:-5}
 
 cargo build --release -p lt-cli >&2
 LT=${CARGO_TARGET_DIR:-target}/release/lt
 OUT=$(mktemp)
 HUMAN=$(mktemp)
-trap 'rm -f "$OUT" "$HUMAN"' EXIT
+RING=$(mktemp -d)
+trap 'rm -f "$OUT" "$HUMAN"; rm -rf "$RING"' EXIT
 
-# lt_run OPTIMIZER GRAD_DTYPE COPY; torch_run IMPL [--thp]
+# lt_run OPTIMIZER GRAD_DTYPE COPY [lt options]; torch_run IMPL [torch_adamw.py options]
 lt_run() {
-    "$LT" bench optimizer --optimizer "$1" --grad-dtype "$2" --write-copy "$3" --params "$PARAMS" \
-        --threads "$THREADS" --steps "$STEPS" --warmup "$WARMUP" --json 2> >(tee "$HUMAN" >&2) | tail -n 1 >> "$OUT"
+    local opt=$1 dt=$2 cp=$3
+    shift 3
+    "$LT" bench optimizer --optimizer "$opt" --grad-dtype "$dt" --write-copy "$cp" --params "$PARAMS" \
+        --threads "$THREADS" --steps "$STEPS" --warmup "$WARMUP" --json "$@" 2> >(tee -a "$HUMAN" >&2) \
+        | tail -n 1 >> "$OUT"
 }
 torch_run() {
     python3 tools/bench/torch_adamw.py --impl "$@" --params "$PARAMS" --threads "$THREADS" \
         --steps "$STEPS" --warmup "$WARMUP" 2>/dev/null | tail -n 1 | tee -a "$OUT" | sed 's/^/torch: /' >&2
 }
+# The acceptance pair, taking turns; lt holds the token first. A fresh ring each time: the side
+# that finishes last passes the token to nobody, and a leftover token would let the next pair run
+# at the same time. The pipes are held open here (read-write: no blocking open, no end-of-file).
+# If either side fails, the other would wait for the token for ever: stop it and fail.
+paired_run() {
+    local ring="$RING/$1"
+    mkfifo "$ring-lt" "$ring-torch"
+    exec 3<>"$ring-lt" 4<>"$ring-torch"
+    lt_run adamw8bit bf16 bf16 --turns "$ring-lt,$ring-torch" --turn-steps "$TURN_STEPS" &
+    local lt_pid=$!
+    torch_run torch-fused --turns "$ring-torch,$ring-lt" --turn-steps "$TURN_STEPS" &
+    local torch_pid=$!
+    printf t >&3
+    local left=("$lt_pid" "$torch_pid") done_pid rc
+    while [ "${#left[@]}" -gt 0 ]; do
+        rc=0
+        wait -n -p done_pid "${left[@]}" || rc=$?
+        if [ "$rc" -ne 0 ]; then
+            kill "$lt_pid" "$torch_pid" 2>/dev/null || true
+            echo "the paired run failed (exit $rc from $([ "$done_pid" = "$lt_pid" ] && echo lt || echo torch))" >&2
+            exit "$rc"
+        fi
+        left=("${left[@]/$done_pid/}")
+        left=(${left[@]})
+    done
+    exec 3>&- 4>&-
+}
 for r in $(seq 1 "$REPEATS"); do
     echo "round $r/$REPEATS" >&2
     echo "{\"round\": $r}" >> "$OUT"
-    lt_run adamw8bit bf16 bf16
-    torch_run torch-fused
+    paired_run "$r"
     lt_run adamw8bit bf16 none
     lt_run adamw8bit f32 none
     torch_run torch-fused --thp
@@ -58,7 +93,7 @@ for r in $(seq 1 "$REPEATS"); do
 done
 
 # Host speeds hold for this CPU only: lt's own label, from the end of its last summary line.
-sed -n 's/.*; host /host: /p' "$HUMAN"
+sed -n 's/.*; host /host: /p' "$HUMAN" | tail -n 1
 python3 - "$OUT" <<'PY'
 import json, statistics, sys
 lines = [json.loads(l) for l in open(sys.argv[1]) if l.strip().startswith("{")]
@@ -87,7 +122,7 @@ for key, v in sorted(groups.items(), key=lambda kv: -med[kv[0]]):
     print(f"{name:<15} {dt:<5} {cp:<5} {len(v):>4} {med[key]:>9.3f} {min(g):>6.3f}..{max(g):<6.3f} {ratio:>13} "
           f"{v[0]['bytes_per_param']:>13.2f} {med[key] * v[0]['bytes_per_param']:>6.1f} "
           f"{statistics.median(x['state_bytes_per_param'] for x in v):>13.3f}")
-print("per round, x torch fused of the same round:")
+print("per round, x torch fused of the same round (the 8-bit update with the copy took turns with it):")
 for i, r in enumerate(rounds, 1):
     t = r.get(base_key)
     if not t:

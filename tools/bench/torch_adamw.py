@@ -11,9 +11,14 @@ gradient dtype to match the weights), clipping off (its cost is not part of `ste
 same hyper-parameters as `lt bench optimizer`. Prints one JSON line with the same keys as
 `lt bench optimizer --json`. `bytes_per_param` counts the same way: weight read + write (8),
 gradient read (4), state read + write (16 for fp32 m and v; 4 + 16/256 for 8-bit blocks of 256).
+
+`--turns IN,OUT` takes turns with `lt bench optimizer --turns OUT,IN` through two named pipes (the
+protocol is documented there: a start-up lap, then `--turn-steps` timed steps per token), so that
+the two processes' timed steps alternate and see the same background load.
 """
 import argparse
 import json
+import os
 import time
 
 
@@ -21,6 +26,26 @@ def count(s):
     s = s.strip()
     mult = {"K": 1e3, "M": 1e6, "G": 1e9}.get(s[-1:].upper(), 1.0)
     return int(round(float(s[:-1] if mult != 1.0 else s) * mult))
+
+
+class Baton:
+    """One end of the token ring of `lt bench optimizer --turns` (see its docs): both named pipes
+    opened read-write, so that opening never blocks and reads never see end-of-file."""
+
+    def __init__(self, spec):
+        inp, sep, out = spec.partition(",")
+        if not sep or not inp or not out:
+            raise SystemExit(f"--turns: expected IN,OUT (two pipe paths separated by a comma), got {spec!r}")
+        self.names = (inp, out)
+        self.inp = os.open(inp, os.O_RDWR)
+        self.out = os.open(out, os.O_RDWR)
+
+    def wait(self):
+        if len(os.read(self.inp, 1)) != 1:
+            raise SystemExit(f"{self.names[0]}: closed before the token came")
+
+    def pass_on(self):
+        os.write(self.out, b"t")
 
 
 def main():
@@ -36,11 +61,17 @@ def main():
         help="allocate through PyTorch's huge-page path (THP_MEM_ALLOC_ENABLE=1), as lt backs its host "
         "buffers with transparent huge pages; reported as '<impl>-thp'",
     )
+    ap.add_argument(
+        "--turns",
+        metavar="IN,OUT",
+        help="take turns with another benchmark process through two named pipes, as `lt bench optimizer "
+        "--turns` does (same protocol: a start-up lap, then --turn-steps timed steps per token)",
+    )
+    ap.add_argument("--turn-steps", type=int, default=5)
     a = ap.parse_args()
+    baton = Baton(a.turns) if a.turns else None
 
     if a.thp:
-        import os
-
         # Read by c10's CPU allocator when torch is first imported: set it before that.
         os.environ["THP_MEM_ALLOC_ENABLE"] = "1"
     import torch
@@ -63,12 +94,20 @@ def main():
         opt = bnb.optim.AdamW8bit([p], **kw)
         bpp, state = 8.0 + 4.0 + 4.0 + 16.0 / 256, "8bit"
     times = []
-    for s in range(a.warmup + a.steps):
+    end = a.warmup + a.steps
+    for s in range(end):
+        if baton and s >= a.warmup and (s - a.warmup) % a.turn_steps == 0:
+            if s == a.warmup:
+                baton.wait()
+                baton.pass_on()
+            baton.wait()
         t0 = time.perf_counter()
         opt.step()
         dt = time.perf_counter() - t0
         if s >= a.warmup:
             times.append(dt)
+            if baton and ((s + 1 - a.warmup) % a.turn_steps == 0 or s + 1 == end):
+                baton.pass_on()
     st = opt.state[p]
     state_bytes = sum(v.numel() * v.element_size() for k, v in st.items() if torch.is_tensor(v) and v.numel() > 1)
     times.sort()
@@ -82,6 +121,7 @@ def main():
         "torch": torch.__version__,
         "warmup": a.warmup,
         "steps": a.steps,
+        "turn_steps": a.turn_steps if baton else None,
         "seconds_per_step_median": med,
         "seconds_per_step_best": times[0],
         "gparams_per_s": n / med / 1e9,

@@ -15,7 +15,18 @@
 //! streaming uploads (`ParamGroup::update_with_copy`; the copy is filled once before the warm-up
 //! with `lt_optim::fill_bf16`); it adds 2 bytes/param of stores to `bytes_per_param` and reports
 //! `"write_copy": "bf16"` in the JSON (`"none"` otherwise).
+//!
+//! `--turns IN,OUT` makes the timed steps take turns with another benchmark process (the PyTorch
+//! baseline in `tools/bench_optimizer_vs_torch.sh`) through two named pipes: after its warm-up,
+//! each process passes one token round the ring without stepping (so that neither times a step
+//! while the other is still starting up), then runs `--turn-steps` timed steps each time it holds
+//! the token, and passes it on. The two processes' timed steps then alternate every fraction of a
+//! second and see the same background load, which on a shared machine moves both medians alike
+//! instead of whichever process happened to run during a burst.
 
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{Context, bail};
@@ -84,6 +95,75 @@ pub struct BenchOptimizerArgs {
     /// Print a JSON summary as the last stdout line (human-readable lines go to stderr).
     #[arg(long)]
     pub json: bool,
+    /// Take turns with another benchmark process through two named pipes (`mkfifo`): wait for a
+    /// byte on IN before each --turn-steps timed steps, write one to OUT after them. The partner
+    /// gets the same pipes the other way round; one byte written to the first process's IN
+    /// starts the ring. Both processes must time the same number of turns; the one that finishes
+    /// last leaves the token in the other's pipe, so a ring serves one pair of runs.
+    #[arg(long, value_name = "IN,OUT", value_parser = parse_turns)]
+    pub turns: Option<Turns>,
+    /// Timed steps per turn with --turns.
+    #[arg(long, default_value_t = 5, requires = "turns")]
+    pub turn_steps: usize,
+}
+
+/// The two named pipes of `--turns`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Turns {
+    /// Where this process waits for the token.
+    pub input: PathBuf,
+    /// Where it passes the token on.
+    pub output: PathBuf,
+}
+
+fn parse_turns(s: &str) -> Result<Turns, String> {
+    match s.split_once(',') {
+        Some((i, o)) if !i.is_empty() && !o.is_empty() => Ok(Turns { input: i.into(), output: o.into() }),
+        _ => Err(format!("expected IN,OUT (two pipe paths separated by a comma), got {s:?}")),
+    }
+}
+
+/// One end of the token ring (`--turns`).
+struct Baton<R, W> {
+    input: R,
+    output: W,
+    /// The pipe paths, for error messages.
+    names: (String, String),
+}
+
+impl Baton<File, File> {
+    /// Opens both pipes read-write, which on Linux never blocks on a FIFO and keeps it open (no
+    /// end-of-file, no broken pipe) whatever the partner does.
+    fn open(t: &Turns) -> anyhow::Result<Self> {
+        let open = |p: &Path| {
+            OpenOptions::new().read(true).write(true).open(p).with_context(|| format!("opening {}", p.display()))
+        };
+        Ok(Baton {
+            input: open(&t.input)?,
+            output: open(&t.output)?,
+            names: (t.input.display().to_string(), t.output.display().to_string()),
+        })
+    }
+}
+
+impl<R: Read, W: Write> Baton<R, W> {
+    /// Blocks until the token arrives.
+    fn wait(&mut self) -> anyhow::Result<()> {
+        let mut b = [0u8; 1];
+        match self.input.read(&mut b) {
+            Ok(1) => Ok(()),
+            Ok(_) => bail!(
+                "{}: closed before the token came (is it a named pipe, and is the partner running?)",
+                self.names.0
+            ),
+            Err(e) => Err(e).with_context(|| format!("waiting for the token on {}", self.names.0)),
+        }
+    }
+
+    /// Passes the token on.
+    fn pass(&mut self) -> anyhow::Result<()> {
+        self.output.write_all(b"t").with_context(|| format!("passing the token on {}", self.names.1))
+    }
 }
 
 fn parse_count(s: &str) -> Result<usize, String> {
@@ -110,6 +190,11 @@ pub fn run(args: &BenchOptimizerArgs) -> anyhow::Result<()> {
     if args.threads == 0 {
         bail!("--threads must be at least 1");
     }
+    if args.turn_steps == 0 {
+        bail!("--turn-steps must be at least 1");
+    }
+    // Opened before the (long) set-up, so that a wrong path fails at once.
+    let mut baton = args.turns.as_ref().map(Baton::open).transpose()?;
     let n = args.params;
     let kind = optimizer_kind(args);
     // Clipping on (scale < 1 every step) so the fused clip multiply is part of what is timed.
@@ -134,7 +219,7 @@ pub fn run(args: &BenchOptimizerArgs) -> anyhow::Result<()> {
         fill_bf16(&params, &mut copy, &pool).context("filling the bf16 copy")?;
     }
 
-    let mut times = time_steps(args, &mut opt, &mut params, &mut copy, grad, norm, &pool)?;
+    let mut times = time_steps(args, &mut opt, &mut params, &mut copy, grad, norm, &pool, baton.as_mut())?;
     if !params.iter().all(|p| p.is_finite()) {
         bail!("weights became non-finite during the benchmark");
     }
@@ -172,8 +257,10 @@ fn synthetic_inputs(n: usize) -> (Vec<f32>, Vec<f32>) {
     (params, g32)
 }
 
-/// Runs the warm-up and timed steps; returns the timed steps' durations in seconds.
-fn time_steps(
+/// Runs the warm-up and timed steps, the timed ones in turns when `baton` is given (see the module
+/// docs); returns the timed steps' durations in seconds.
+#[allow(clippy::too_many_arguments)]
+fn time_steps<R: Read, W: Write>(
     args: &BenchOptimizerArgs,
     opt: &mut AdamW,
     params: &mut [f32],
@@ -181,9 +268,22 @@ fn time_steps(
     grad: Grad<'_>,
     norm: f64,
     pool: &ThreadPool,
+    mut baton: Option<&mut Baton<R, W>>,
 ) -> anyhow::Result<Vec<f64>> {
     let mut times = Vec::with_capacity(args.steps);
-    for s in 0..args.warmup + args.steps {
+    let end = args.warmup + args.steps;
+    for s in 0..end {
+        if let Some(b) = baton.as_deref_mut()
+            && s >= args.warmup
+            && (s - args.warmup).is_multiple_of(args.turn_steps)
+        {
+            if s == args.warmup {
+                // The start-up lap: the token goes round once, so both processes are set up.
+                b.wait()?;
+                b.pass()?;
+            }
+            b.wait()?;
+        }
         let t0 = Instant::now();
         let StepOutcome::Apply(ctx) = opt.begin_step(norm) else {
             bail!("benchmark gradient norm is not finite");
@@ -196,6 +296,11 @@ fn time_steps(
         .context("optimizer update")?;
         if s >= args.warmup {
             times.push(t0.elapsed().as_secs_f64());
+            if let Some(b) = baton.as_deref_mut()
+                && ((s + 1 - args.warmup).is_multiple_of(args.turn_steps) || s + 1 == end)
+            {
+                b.pass()?;
+            }
         }
     }
     Ok(times)
@@ -227,9 +332,10 @@ fn report(args: &BenchOptimizerArgs, kind: OptimizerKind, median: f64, best: f64
     let kernel = if matches!(kind, OptimizerKind::AdamW8bit(_)) { q8_kernel_name() } else { simd_level().name() };
     // A host speed: it holds for this CPU only, so the CPU is named next to it.
     let host = HostCpu::detect();
+    let turns = if args.turns.is_some() { format!(", in turns of {} steps", args.turn_steps) } else { String::new() };
     let human = format!(
-        "{name}: {n} params, {} threads, {dtype} grads, copy {write_copy}, kernel {kernel}: median {:.3} ms/step \
-         (best {:.3}), {gparams:.3} Gparam/s, {:.1} GB/s at {bytes_per_param:.2} B/param, state \
+        "{name}: {n} params, {} threads, {dtype} grads, copy {write_copy}, kernel {kernel}{turns}: median {:.3} \
+         ms/step (best {:.3}), {gparams:.3} Gparam/s, {:.1} GB/s at {bytes_per_param:.2} B/param, state \
          {state_bytes_per_param:.3} B/param; host {host}",
         args.threads,
         median * 1e3,
@@ -250,6 +356,7 @@ fn report(args: &BenchOptimizerArgs, kind: OptimizerKind, median: f64, best: f64
             "write_copy": write_copy,
             "warmup": args.warmup,
             "steps": args.steps,
+            "turn_steps": args.turns.as_ref().map(|_| args.turn_steps),
             "seconds_per_step_median": median,
             "seconds_per_step_best": best,
             "gparams_per_s": gparams,
@@ -293,10 +400,95 @@ mod tests {
                 block: 256,
                 write_copy: WriteCopy::Bf16,
                 json: false,
+                turns: None,
+                turn_steps: 5,
             };
             if let Err(e) = run(&args) {
                 panic!("{optimizer:?} with --write-copy bf16: {e:#}");
             }
         }
+    }
+
+    #[test]
+    fn turns_parse_as_two_paths() {
+        assert_eq!(parse_turns("/tmp/a,/tmp/b"), Ok(Turns { input: "/tmp/a".into(), output: "/tmp/b".into() }));
+        assert!(parse_turns("/tmp/a").is_err());
+        assert!(parse_turns(",/tmp/b").is_err());
+    }
+
+    /// Two batons on a ring of pipes hand the token back and forth: each side's turns strictly
+    /// alternate with the other's, starting where the token was written.
+    #[test]
+    fn batons_alternate() {
+        let (ra, wa) = std::io::pipe().unwrap();
+        let (rb, wb) = std::io::pipe().unwrap();
+        let mut start = wa.try_clone().unwrap();
+        let log = std::sync::Mutex::new(Vec::new());
+        let names = || ("in".to_string(), "out".to_string());
+        let mut a = Baton { input: ra, output: wb, names: names() };
+        let mut b = Baton { input: rb, output: wa, names: names() };
+        std::thread::scope(|s| {
+            for (id, baton) in [(0, &mut a), (1, &mut b)] {
+                let log = &log;
+                s.spawn(move || {
+                    for _ in 0..5 {
+                        baton.wait().unwrap();
+                        log.lock().unwrap().push(id);
+                        baton.pass().unwrap();
+                    }
+                });
+            }
+            start.write_all(b"t").unwrap();
+        });
+        assert_eq!(log.into_inner().unwrap(), [0, 1, 0, 1, 0, 1, 0, 1, 0, 1]);
+    }
+
+    /// A closed input is an error that names the pipe, not a hang or a panic.
+    #[test]
+    fn a_closed_pipe_is_a_clear_error() {
+        let (r, w) = std::io::pipe().unwrap();
+        let (_r2, w2) = std::io::pipe().unwrap();
+        drop(w);
+        let mut baton = Baton { input: r, output: w2, names: ("/tmp/lt-in".into(), "/tmp/lt-out".into()) };
+        let e = baton.wait().unwrap_err().to_string();
+        assert!(e.contains("/tmp/lt-in") && e.contains("closed"), "{e}");
+    }
+
+    /// Two benchmark runs on one ring of named pipes (as the acceptance script runs lt and
+    /// PyTorch) both finish, with a last turn shorter than the others.
+    #[cfg(unix)]
+    #[test]
+    fn two_runs_take_turns_through_named_pipes() {
+        let dir = tempfile::tempdir().unwrap();
+        let (x, y) = (dir.path().join("x"), dir.path().join("y"));
+        for p in [&x, &y] {
+            let ok = std::process::Command::new("mkfifo").arg(p).status().map(|s| s.success()).unwrap_or(false);
+            if !ok {
+                eprintln!("mkfifo is not available here; nothing to check");
+                return;
+            }
+        }
+        let args = |input: &Path, output: &Path| BenchOptimizerArgs {
+            optimizer: BenchOptimizer::Adamw8bit,
+            params: 20_000,
+            threads: 1,
+            grad_dtype: GradDtype::Bf16,
+            steps: 7,
+            warmup: 1,
+            block: 256,
+            write_copy: WriteCopy::Bf16,
+            json: false,
+            turns: Some(Turns { input: input.into(), output: output.into() }),
+            turn_steps: 3,
+        };
+        let (first, second) = (args(&x, &y), args(&y, &x));
+        let mut start = OpenOptions::new().read(true).write(true).open(&x).unwrap();
+        std::thread::scope(|s| {
+            let h1 = s.spawn(|| run(&first));
+            let h2 = s.spawn(|| run(&second));
+            start.write_all(b"t").unwrap();
+            h1.join().unwrap().unwrap();
+            h2.join().unwrap().unwrap();
+        });
     }
 }
