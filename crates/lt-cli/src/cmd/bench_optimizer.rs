@@ -481,14 +481,17 @@ mod tests {
             turns: Some(Turns { input: input.into(), output: output.into() }),
             turn_steps: 3,
         };
-        let (first, second) = (args(&x, &y), args(&y, &x));
         let mut start = OpenOptions::new().read(true).write(true).open(&x).unwrap();
-        std::thread::scope(|s| {
-            let h1 = s.spawn(|| run(&first));
-            let h2 = s.spawn(|| run(&second));
-            start.write_all(b"t").unwrap();
-            h1.join().unwrap().unwrap();
-            h2.join().unwrap().unwrap();
-        });
+        // Detached threads and a deadline: a broken protocol fails the test instead of hanging it.
+        let (tx, rx) = std::sync::mpsc::channel();
+        for a in [args(&x, &y), args(&y, &x)] {
+            let tx = tx.clone();
+            std::thread::spawn(move || tx.send(run(&a).map_err(|e| format!("{e:#}"))));
+        }
+        start.write_all(b"t").unwrap();
+        for _ in 0..2 {
+            let r = rx.recv_timeout(std::time::Duration::from_secs(120)).expect("the two runs did not finish");
+            r.unwrap();
+        }
     }
 }
