@@ -398,6 +398,62 @@ fn copy_mode(path: KernelPath, copy: bool) -> u8 {
     }
 }
 
+/// Which 8-bit kernel updates whole blocks, for a path, a pair of maps and a block size: the one
+/// rule behind `q8_run`'s dispatch and [`crate::q8_kernel_name`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Q8Kernel {
+    /// `x86::q8_blocks_avx512_vbmi`: AVX-512 VBMI and blocks of a multiple of 64; `quant` is one
+    /// of `QUANT_TABLE`, `QUANT_AFFINE`, `QUANT_ROUNDED`.
+    Vbmi { dequant: Q8Dequant, quant: u8 },
+    /// `x86::q8_blocks_avx512`: gathers and the bucket table.
+    Avx512,
+    /// `x86::q8_blocks_avx2`, its table reads by scalar loads or gathers.
+    Avx2 { loads: bool },
+    /// `q8_scalar_blocks`.
+    Scalar,
+}
+
+impl Q8Kernel {
+    /// The kernel for `path`, `maps` and `block`. The affine code finders need both maps in that
+    /// form (the default maps are), the rounding forms both maps' rounding forms.
+    pub(crate) fn select(path: KernelPath, maps: QuantMaps, block: usize) -> Q8Kernel {
+        match path.level {
+            SimdLevel::Avx512 if path.vbmi && block.is_multiple_of(64) => {
+                let (sa, ua) = (maps.signed.affine(), maps.unsigned.affine());
+                let affine = sa.is_some_and(|a| a.signed) && ua.is_some_and(|a| !a.signed);
+                let rounded = sa.zip(ua).is_some_and(|(s, u)| s.rounded.is_some() && u.rounded.is_some());
+                let quant = match path.quant {
+                    _ if !affine => QUANT_TABLE,
+                    Q8Quant::Table => QUANT_TABLE,
+                    Q8Quant::Rounded if rounded => QUANT_ROUNDED,
+                    _ => QUANT_AFFINE,
+                };
+                Q8Kernel::Vbmi { dequant: path.dequant, quant }
+            }
+            SimdLevel::Avx512 => Q8Kernel::Avx512,
+            SimdLevel::Avx2 => Q8Kernel::Avx2 { loads: path.loads },
+            SimdLevel::Scalar => Q8Kernel::Scalar,
+        }
+    }
+
+    /// Its name in benchmark reports: `avx512-<permute|gather>-<rounded|affine|table>`,
+    /// `avx512-gather`, `avx2-loads`, `avx2-gather` or `scalar`.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Q8Kernel::Vbmi { dequant: Q8Dequant::Permute, quant: QUANT_ROUNDED } => "avx512-permute-rounded",
+            Q8Kernel::Vbmi { dequant: Q8Dequant::Permute, quant: QUANT_AFFINE } => "avx512-permute-affine",
+            Q8Kernel::Vbmi { dequant: Q8Dequant::Permute, .. } => "avx512-permute-table",
+            Q8Kernel::Vbmi { dequant: Q8Dequant::Gather, quant: QUANT_ROUNDED } => "avx512-gather-rounded",
+            Q8Kernel::Vbmi { dequant: Q8Dequant::Gather, quant: QUANT_AFFINE } => "avx512-gather-affine",
+            Q8Kernel::Vbmi { dequant: Q8Dequant::Gather, .. } => "avx512-gather-table",
+            Q8Kernel::Avx512 => "avx512-gather",
+            Q8Kernel::Avx2 { loads: true } => "avx2-loads",
+            Q8Kernel::Avx2 { loads: false } => "avx2-gather",
+            Q8Kernel::Scalar => "scalar",
+        }
+    }
+}
+
 /// Splits an optional bf16 copy like its parameters (`size` elements per task); without a copy,
 /// every task gets an empty slice.
 fn copy_chunks(cp: Option<&mut [bf16]>, size: usize) -> impl Iterator<Item = &mut [bf16]> + Send {
@@ -611,24 +667,14 @@ fn q8_run<G: GradElem>(p: &mut [f32], cp: &mut [bf16], g: &[G], mut s: Q8Slices<
             let b = s.block;
             let full = p.len() / b;
             let n = full * b;
-            let vbmi = path.vbmi && b.is_multiple_of(64);
-            // The affine code finders need both maps in their form (the default maps are).
-            let (sa, ua) = (s.maps.signed.affine(), s.maps.unsigned.affine());
-            let affine = sa.is_some_and(|a| a.signed) && ua.is_some_and(|a| !a.signed);
-            let quant = match path.quant {
-                _ if !vbmi || !affine => QUANT_TABLE,
-                Q8Quant::Table => QUANT_TABLE,
-                Q8Quant::Rounded if sa.zip(ua).is_some_and(|(s, u)| s.rounded.is_some() && u.rounded.is_some()) => {
-                    QUANT_ROUNDED
+            let kernel: Kernel<G> = match (Q8Kernel::select(path, s.maps, b), copy) {
+                (Q8Kernel::Vbmi { dequant: Q8Dequant::Permute, quant }, _) => {
+                    vbmi_kernel::<G, DEQ_PERMUTE>(quant, copy)
                 }
-                _ => QUANT_AFFINE,
-            };
-            let kernel: Kernel<G> = match (vbmi, path.dequant, copy) {
-                (true, Q8Dequant::Permute, _) => vbmi_kernel::<G, DEQ_PERMUTE>(quant, copy),
-                (true, Q8Dequant::Gather, _) => vbmi_kernel::<G, DEQ_GATHER>(quant, copy),
-                (false, _, NO_COPY) => x86::q8_blocks_avx512::<G, NO_COPY>,
-                (false, _, COPY_INT) => x86::q8_blocks_avx512::<G, COPY_INT>,
-                (false, _, _) => x86::q8_blocks_avx512::<G, COPY_HW>,
+                (Q8Kernel::Vbmi { dequant: Q8Dequant::Gather, quant }, _) => vbmi_kernel::<G, DEQ_GATHER>(quant, copy),
+                (_, NO_COPY) => x86::q8_blocks_avx512::<G, NO_COPY>,
+                (_, COPY_INT) => x86::q8_blocks_avx512::<G, COPY_INT>,
+                (_, _) => x86::q8_blocks_avx512::<G, COPY_HW>,
             };
             let cpn = if cp.is_empty() { &mut [][..] } else { &mut cp[..n] };
             // SAFETY: AVX-512F/DQ/BW are present (`path.level` comes from `simd_level`), and VBMI
@@ -2279,6 +2325,34 @@ mod tests {
             v.push(KernelPath { loads: true, ..KernelPath::plain(SimdLevel::Avx2) });
         }
         v
+    }
+
+    #[test]
+    fn the_kernel_name_follows_the_dispatch_rule() {
+        let maps = QuantMaps::default();
+        assert_eq!(crate::q8_kernel_name(), Q8Kernel::select(KernelPath::detect(), maps, 256).name());
+        let (mut kernels, mut names) = (Vec::new(), std::collections::BTreeSet::new());
+        for path in paths().into_iter().chain([KernelPath::plain(SimdLevel::Scalar)]) {
+            let k = Q8Kernel::select(path, maps, 256);
+            if !kernels.contains(&k) {
+                kernels.push(k);
+            }
+            names.insert(k.name());
+            let vbmi = path.level == SimdLevel::Avx512 && path.vbmi;
+            assert_eq!(matches!(k, Q8Kernel::Vbmi { .. }), vbmi, "{path:?}");
+            if vbmi {
+                // The VBMI kernel needs whole 64-lane groups: a block of 48 takes the plain one.
+                assert_eq!(Q8Kernel::select(path, maps, 48), Q8Kernel::Avx512);
+                let quant = match path.quant {
+                    Q8Quant::Table => QUANT_TABLE,
+                    Q8Quant::Affine => QUANT_AFFINE,
+                    Q8Quant::Rounded => QUANT_ROUNDED,
+                };
+                assert_eq!(k, Q8Kernel::Vbmi { dequant: path.dequant, quant });
+            }
+        }
+        // Every kernel this CPU can run has its own name.
+        assert_eq!(names.len(), kernels.len(), "{names:?}");
     }
 
     /// Parameters, m codes, v codes, m absmax, v absmax.

@@ -134,26 +134,16 @@ fn named_or(value: Option<&str>, off: &str, on: &str, default: bool) -> bool {
     }
 }
 
-/// The name of the 8-bit kernel family in use (for benchmark reports; see [`simd_level`],
-/// `LT_OPTIM_Q8_DEQUANT` and `LT_OPTIM_Q8_QUANT`): on CPUs with AVX-512 VBMI
+/// The name of the 8-bit kernel that updates the default configuration's whole blocks in this
+/// process (for benchmark reports; see [`simd_level`], `LT_OPTIM_Q8_DEQUANT` and
+/// `LT_OPTIM_Q8_QUANT`), by the rule the update dispatches with: on CPUs with AVX-512 VBMI
 /// `avx512-<dequantization>-<code finder>` (`permute` or `gather`; `rounded`, `affine` or `table`,
 /// e.g. `avx512-gather-rounded`), `avx512-gather` (AVX-512 without VBMI: gathers and the bucket
 /// table), `avx2-loads`, `avx2-gather` or `scalar`.
 pub fn q8_kernel_name() -> &'static str {
-    match simd_level() {
-        SimdLevel::Avx512 if has_vbmi() => match (q8_dequant(), q8_quant()) {
-            (Q8Dequant::Permute, Q8Quant::Rounded) => "avx512-permute-rounded",
-            (Q8Dequant::Permute, Q8Quant::Affine) => "avx512-permute-affine",
-            (Q8Dequant::Permute, Q8Quant::Table) => "avx512-permute-table",
-            (Q8Dequant::Gather, Q8Quant::Rounded) => "avx512-gather-rounded",
-            (Q8Dequant::Gather, Q8Quant::Affine) => "avx512-gather-affine",
-            (Q8Dequant::Gather, Q8Quant::Table) => "avx512-gather-table",
-        },
-        SimdLevel::Avx512 => "avx512-gather",
-        SimdLevel::Avx2 if q8_avx2_loads() => "avx2-loads",
-        SimdLevel::Avx2 => "avx2-gather",
-        SimdLevel::Scalar => "scalar",
-    }
+    let block = crate::Quant8Config::default().block_size;
+    crate::kernels::Q8Kernel::select(crate::kernels::KernelPath::detect(), crate::qmap::QuantMaps::default(), block)
+        .name()
 }
 
 /// The CPUID vendor string (`GenuineIntel`, `AuthenticAMD`, ...); zeros off x86-64.
