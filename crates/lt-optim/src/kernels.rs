@@ -1290,16 +1290,20 @@ mod x86 {
     /// of the f32 code values is a 256-entry byte table, looked up with two 128-byte permutes
     /// (`vpermi2b`) selected by the index's top bit, and the four byte planes are interleaved back
     /// into f32 lanes. Returns the 64 map values in element order, 16 per register.
+    ///
+    /// # Safety
+    /// `planes` must point to four readable 256-byte planes.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
-    fn dequant64(codes: __m512i, planes: &[[u8; 256]; 4]) -> [__m512; 4] {
+    unsafe fn dequant64(codes: __m512i, planes: *const [u8; 256]) -> [__m512; 4] {
         // SAFETY: PREPERM holds 64 bytes.
         let idx = _mm512_permutexvar_epi8(unsafe { _mm512_loadu_si512(PREPERM.as_ptr() as *const __m512i) }, codes);
         let hi = _mm512_movepi8_mask(idx);
         let mut r = [_mm512_setzero_si512(); 4];
-        for (rb, plane) in r.iter_mut().zip(planes) {
-            // SAFETY: each plane holds 256 bytes, read as four 64-byte vectors.
-            let t = |k: usize| unsafe { _mm512_loadu_si512(plane.as_ptr().add(64 * k) as *const __m512i) };
+        for (b, rb) in r.iter_mut().enumerate() {
+            // SAFETY: each of the four planes holds 256 bytes (caller), read as four 64-byte vectors.
+            let t =
+                |k: usize| unsafe { _mm512_loadu_si512((planes.add(b) as *const u8).add(64 * k) as *const __m512i) };
             let lo_half = _mm512_permutex2var_epi8(t(0), idx, t(1));
             let hi_half = _mm512_permutex2var_epi8(t(2), idx, t(3));
             *rb = _mm512_mask_blend_epi8(hi, lo_half, hi_half);
@@ -1406,7 +1410,7 @@ mod x86 {
         maps: QuantMaps,
     ) {
         let (sm, um) = (maps.signed, maps.unsigned);
-        let (splanes, uplanes) = (sm.planes(), um.planes());
+        let (splanes, uplanes) = (sm.planes().as_ptr(), um.planes().as_ptr());
         let (scode, ucode) = (sm.code().as_ptr(), um.code().as_ptr());
         // The codes come from the rounding forms (QUANT_ROUNDED, whole blocks at a time), else
         // from the affine code finders (QUANT_AFFINE, or QUANT_ROUNDED for maps without rounding
@@ -1457,9 +1461,16 @@ mod x86 {
                     // With permutes, all 64 old values of each moment at once; with gathers, 16 at
                     // a time in the loop below (its registers are then free for the gathers).
                     let (cm, cv) = if DEQ == DEQ_PERMUTE {
+                        // The tables' addresses pass through `black_box` each iteration, so that
+                        // LLVM reads the 32 table vectors where the permutes use them (as memory
+                        // operands) instead of hoisting them out of this loop: with too few
+                        // registers for them and the call to `rounded_block` clobbering all, it
+                        // reloaded and spilled them to the stack once per block (2-3% of the step
+                        // at 128K parameters on Zen 4, docs/benchmarks.md, session 21).
+                        let (sp, up) = std::hint::black_box((splanes, uplanes));
                         (
-                            dequant64(_mm512_loadu_si512(qmp.add(base + j) as *const __m512i), splanes),
-                            dequant64(_mm512_loadu_si512(qvp.add(base + j) as *const __m512i), uplanes),
+                            dequant64(_mm512_loadu_si512(qmp.add(base + j) as *const __m512i), sp),
+                            dequant64(_mm512_loadu_si512(qvp.add(base + j) as *const __m512i), up),
                         )
                     } else {
                         ([_mm512_setzero_ps(); 4], [_mm512_setzero_ps(); 4])
