@@ -110,6 +110,7 @@ def main():
                 baton.pass_on()
     st = opt.state[p]
     state_bytes = sum(v.numel() * v.element_size() for k, v in st.items() if torch.is_tensor(v) and v.numel() > 1)
+    in_order = list(times)
     times.sort()
     med = times[len(times) // 2]
     out = {
@@ -124,6 +125,7 @@ def main():
         "turn_steps": a.turn_steps if baton else None,
         "seconds_per_step_median": med,
         "seconds_per_step_best": times[0],
+        "seconds_per_step": in_order,
         "gparams_per_s": n / med / 1e9,
         "gparams_per_s_best": n / times[0] / 1e9,
         "bytes_per_param": bpp,
