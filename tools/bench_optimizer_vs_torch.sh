@@ -18,6 +18,7 @@
 # 8-bit update with the bf16 copy, in every round: it takes turns with torch fused every ~0.25 s,
 # so that the two see the same background load; run one after the other, a burst of load on this
 # shared machine often fell on one of them only).
+# The JSON line of every run (with each timed step) is kept in target/bench_optimizer_vs_torch.jsonl.
 # Each run's figure is the median of STEPS timed steps (default 30, about 1.5 s at 64M, so that
 # a burst of load shorter than half a run does not move it). Interleaving the rounds exposes every
 # configuration to the same background load; on a shared machine, quote the ratios rather than the
@@ -92,6 +93,11 @@ for r in $(seq 1 "$REPEATS"); do
         --steps 2 --warmup 1 2>/dev/null | tail -n 1 >> "$OUT"
 done
 
+# Every run's JSON line (each with its timed steps in run order, `seconds_per_step`), kept for a
+# closer look at a round: which steps of a turn were slow, on which side.
+RAW=${CARGO_TARGET_DIR:-target}/bench_optimizer_vs_torch.jsonl
+cp "$OUT" "$RAW"
+echo "raw runs: $RAW" >&2
 # Host speeds hold for this CPU only: lt's own label, from the end of its last summary line.
 sed -n 's/.*; host /host: /p' "$HUMAN" | tail -n 1
 python3 - "$OUT" <<'PY'
