@@ -7,7 +7,9 @@
 #   lt bench optimizer --optimizer adamw8bit --grad-dtype bf16 --write-copy bf16   (+ the upload copy)
 #   and torch.optim.AdamW(fused=True) on CPU (tools/bench/torch_adamw.py), at the same time,
 #   taking turns (--turns: TURN_STEPS timed steps each, default 5, alternating through two named
-#   pipes, after a start-up lap so that neither times a step while the other starts up);
+#   pipes, after a start-up lap so that neither times a step while the other starts up; each side
+#   waits TURN_SETTLE_MS, default 50, after taking the token: torch's OpenMP workers spin for a
+#   while after its turn and slowed lt's first step of each turn by 2-5 ms without it);
 # then, back to back:
 #   lt bench optimizer --optimizer adamw8bit --grad-dtype bf16 | f32
 #   the same torch with PyTorch's huge-page allocation (--thp), as lt's host buffers use huge pages
@@ -33,6 +35,7 @@ REPEATS=${3:-3}
 STEPS=${STEPS:-30}
 WARMUP=${WARMUP:-3}
 TURN_STEPS=${TURN_STEPS:-5}
+TURN_SETTLE_MS=${TURN_SETTLE_MS:-50}
 
 cargo build --release -p lt-cli >&2
 LT=${CARGO_TARGET_DIR:-target}/release/lt
@@ -61,9 +64,11 @@ paired_run() {
     local ring="$RING/$1"
     mkfifo "$ring-lt" "$ring-torch"
     exec 3<>"$ring-lt" 4<>"$ring-torch"
-    lt_run adamw8bit bf16 bf16 --turns "$ring-lt,$ring-torch" --turn-steps "$TURN_STEPS" &
+    lt_run adamw8bit bf16 bf16 --turns "$ring-lt,$ring-torch" --turn-steps "$TURN_STEPS" \
+        --turn-settle-ms "$TURN_SETTLE_MS" &
     local lt_pid=$!
-    torch_run torch-fused --turns "$ring-torch,$ring-lt" --turn-steps "$TURN_STEPS" &
+    torch_run torch-fused --turns "$ring-torch,$ring-lt" --turn-steps "$TURN_STEPS" \
+        --turn-settle-ms "$TURN_SETTLE_MS" &
     local torch_pid=$!
     printf t >&3
     local left=("$lt_pid" "$torch_pid") done_pid rc

@@ -68,6 +68,13 @@ def main():
         "--turns` does (same protocol: a start-up lap, then --turn-steps timed steps per token)",
     )
     ap.add_argument("--turn-steps", type=int, default=5)
+    ap.add_argument(
+        "--turn-settle-ms",
+        type=float,
+        default=0.0,
+        help="with --turns, milliseconds to wait after taking the token before the turn's first timed step "
+        "(as `lt bench optimizer --turn-settle-ms`)",
+    )
     a = ap.parse_args()
     baton = Baton(a.turns) if a.turns else None
 
@@ -101,6 +108,7 @@ def main():
                 baton.wait()
                 baton.pass_on()
             baton.wait()
+            time.sleep(a.turn_settle_ms / 1000.0)
         t0 = time.perf_counter()
         opt.step()
         dt = time.perf_counter() - t0

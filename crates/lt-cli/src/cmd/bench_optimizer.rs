@@ -105,6 +105,11 @@ pub struct BenchOptimizerArgs {
     /// Timed steps per turn with --turns.
     #[arg(long, default_value_t = 5, requires = "turns")]
     pub turn_steps: usize,
+    /// With --turns, milliseconds to wait after taking the token before the turn's first timed
+    /// step, so that the partner's threads have gone idle (an OpenMP runtime's workers spin for
+    /// milliseconds after their last parallel region and took a core from this side's first step).
+    #[arg(long, default_value_t = 0, requires = "turns")]
+    pub turn_settle_ms: u64,
 }
 
 /// The two named pipes of `--turns`.
@@ -282,6 +287,7 @@ fn time_steps<R: Read, W: Write>(
                 b.pass()?;
             }
             b.wait()?;
+            std::thread::sleep(std::time::Duration::from_millis(args.turn_settle_ms));
         }
         let t0 = Instant::now();
         let StepOutcome::Apply(ctx) = opt.begin_step(norm) else {
@@ -406,6 +412,7 @@ mod tests {
                 json: false,
                 turns: None,
                 turn_steps: 5,
+                turn_settle_ms: 0,
             };
             if let Err(e) = run(&args) {
                 panic!("{optimizer:?} with --write-copy bf16: {e:#}");
@@ -484,6 +491,7 @@ mod tests {
             json: false,
             turns: Some(Turns { input: input.into(), output: output.into() }),
             turn_steps: 3,
+            turn_settle_ms: 1,
         };
         let mut start = OpenOptions::new().read(true).write(true).open(&x).unwrap();
         // Detached threads and a deadline: a broken protocol fails the test instead of hanging it.
