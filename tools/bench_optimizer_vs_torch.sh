@@ -20,7 +20,8 @@
 # 8-bit update with the bf16 copy, in every round: it takes turns with torch fused every ~0.25 s,
 # so that the two see the same background load; run one after the other, a burst of load on this
 # shared machine often fell on one of them only).
-# The JSON line of every run (with each timed step) is kept in target/bench_optimizer_vs_torch.jsonl.
+# The JSON line of every run (with each timed step) is kept in bench_optimizer_vs_torch.jsonl in
+# the target directory (CARGO_TARGET_DIR, default target/).
 # Each run's figure is the median of STEPS timed steps (default 30, about 1.5 s at 64M, so that
 # a burst of load shorter than half a run does not move it). Interleaving the rounds exposes every
 # configuration to the same background load; on a shared machine, quote the ratios rather than the
