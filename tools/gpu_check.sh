@@ -101,6 +101,7 @@ write_json() {
             "$(json_str "$DEVICE")" "$BATCH" "$SEQ" "$STEPS" "$WARMUP" "$(json_str "$MODEL")" "$(json_str "$PAIR_MODEL")" "$BUDGET_S" "$(json_str "${UPLOAD_COPY:-on}")" "$(json_str "${LT_PINNED_UPLOADS:-off}")"
         printf '  "host": {"nproc": %s, "mem_total_kib": %s, "kernel": %s},\n' \
             "$(nproc 2>/dev/null || echo null)" "${MEM_KIB:-null}" "$(json_str "$(uname -r)")"
+        printf '  "cuda_runtime": %s,\n' "$(json_str "$CUDA_NOTE")"
         printf '  "nvidia_smi_rc": %d,\n' "$SMI_RC"
         printf '  "nvidia_smi_query": %s,\n' "$(json_str "$SMI_QUERY")"
         printf '  "nvidia_smi": %s,\n' "$(json_str "$SMI_FULL")"
@@ -149,6 +150,29 @@ run_step() {
     echo "gpu_check: $name: exit $RC in ${secs} s$note" >&2
     write_json
 }
+
+# CUDA at run time: cubecl-cuda compiles its kernels with NVRTC (libnvrtc.so.N, found on the library
+# path) against the toolkit's headers (CUDA_PATH/include, default /usr/local/cuda). Where the toolkit
+# lives elsewhere, find it from nvcc, and put its library folders on the path when the loader does
+# not already know libnvrtc.
+CUDA_NOTE=""
+if [[ $DEVICE == cuda ]]; then
+    if [[ -z ${CUDA_PATH:-} && ! -d /usr/local/cuda ]] && command -v nvcc >/dev/null 2>&1; then
+        CUDA_PATH=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")
+        export CUDA_PATH
+    fi
+    CUDA_ROOT=${CUDA_PATH:-/usr/local/cuda}
+    if ! ldconfig -p 2>/dev/null | grep -q 'libnvrtc\.so'; then
+        for d in "$CUDA_ROOT/lib64" "$CUDA_ROOT/targets/x86_64-linux/lib" "$CUDA_ROOT/lib"; do
+            if compgen -G "$d/libnvrtc.so*" >/dev/null; then
+                export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+                break
+            fi
+        done
+    fi
+    CUDA_NOTE="CUDA_PATH=${CUDA_PATH:-unset} (headers from $CUDA_ROOT/include: $([[ -f $CUDA_ROOT/include/cuda_runtime.h ]] && echo present || echo MISSING)); LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}; nvrtc: $( (ldconfig -p 2>/dev/null | grep -o 'libnvrtc\.so[.0-9]*' | sort -u | tr '\n' ' '; L=${LD_LIBRARY_PATH:-}; for d in ${L//:/ }; do ls "$d" 2>/dev/null | grep '^libnvrtc\.so'; done) | tr '\n' ' ')"
+    echo "gpu_check: $CUDA_NOTE" >&2
+fi
 
 # Facts first: they cost nothing and explain everything after.
 if command -v nvidia-smi >/dev/null 2>&1; then

@@ -74,6 +74,12 @@ pub fn layer_times<B: AutodiffBackend>(
         sync::<B::InnerBackend>(device)?;
         let tb = t.elapsed().as_secs_f64();
         drop(lg);
+        // Where no terminal shows a bar: every round, so that the warm-up's kernel compilation and
+        // autotuning on a fresh GPU are visible next to the rounds that follow.
+        if !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+            let phase = if round < warmup { "warm-up" } else { "timed" };
+            eprintln!("  layer {kind:?}, round {} ({phase}): forward {:.3} s, backward {:.3} s", round + 1, tf, tb);
+        }
         if round >= warmup {
             out.fwd.push(tf);
             out.bwd.push(tb);

@@ -404,6 +404,9 @@ fn bench_on<B: AutodiffBackend>(
     let t_init = Instant::now();
     let host = HostModel::random_init(cfg.clone(), s.seed);
     let init_seconds = t_init.elapsed().as_secs_f64();
+    if !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        eprintln!("random weights: {init_seconds:.1} s");
+    }
     let opts = TrainOptions {
         adamw: s.adamw,
         optimizer: match s.optimizer {
@@ -462,7 +465,10 @@ fn timed_steps<B: AutodiffBackend>(
         let phase = if k < args.warmup { "warm-up" } else { "timed" };
         pb.set_position(k + 1);
         pb.set_message(format!("{phase} {:.3} s/step", step.step_seconds));
-        if !std::io::IsTerminal::is_terminal(&std::io::stderr()) && !args.json {
+        // A line per step where the bar is hidden (JSON mode too: the report is stdout's last line),
+        // so that a run stopped by a timeout still says how far it got: the first step on a fresh
+        // GPU compiles every kernel.
+        if !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
             eprintln!("step {} ({phase}): loss {:.4}, {:.3} s", step.step, step.loss, step.step_seconds);
         }
         if k >= args.warmup {

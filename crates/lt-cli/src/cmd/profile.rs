@@ -284,8 +284,10 @@ pub fn run(args: &ProfileArgs) -> Result<()> {
         bail!("--threads: must be > 0");
     }
     let skip = |p: Part| args.skip.contains(&p);
-    // Progress lines always go to stderr (stdout carries only the summary or the JSON line).
-    let say = |s: String| eprintln!("{s}");
+    // Progress lines always go to stderr (stdout carries only the summary or the JSON line), each
+    // with the seconds since the start: on a fresh GPU the first layer compiles and autotunes its
+    // kernels, and a run stopped by a timeout must still say where the time went.
+    let say = |s: String| eprintln!("[{:6.1} s] {s}", started.elapsed().as_secs_f64());
     let mut m = measure_device(args, &sizes, &say)?;
     if !skip(Part::Disk) {
         measure_disk(args, &sizes, &mut m, &say)?;

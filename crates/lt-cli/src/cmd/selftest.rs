@@ -412,7 +412,7 @@ pub fn run(args: &SelftestArgs) -> Result<()> {
     let spill_dir = std::env::temp_dir().join(format!("lt-selftest-spill-{}", std::process::id()));
     let started = std::time::Instant::now();
     let mut checks: Vec<Check> = Vec::new();
-    let ctx = FixtureRun { args, backends: &backends, cpu_train: &cpu_train, spill_dir: &spill_dir };
+    let ctx = FixtureRun { args, backends: &backends, cpu_train: &cpu_train, spill_dir: &spill_dir, started };
     let pb = crate::progress::bar(models.len() as u64, "selftest");
     for (name, dir) in &models {
         pb.set_message(format!("selftest {name}"));
@@ -458,6 +458,34 @@ struct FixtureRun<'a> {
     backends: &'a [UnderTest<'a>],
     cpu_train: &'a TrainFn<'a>,
     spill_dir: &'a Path,
+    /// When the selftest started: each check's progress line gives the seconds since.
+    started: std::time::Instant,
+}
+
+impl FixtureRun<'_> {
+    /// One stderr line per finished check when stderr is not a terminal (a log, a CI job, a
+    /// device run under `timeout`), where the progress bar is hidden: the first run on a GPU
+    /// compiles every kernel, and a run that is stopped must still say how far it got.
+    fn progress(&self, done: &[Check]) {
+        if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+            return;
+        }
+        for c in done {
+            let result = match (&c.error, c.passed) {
+                (Some(_), _) => "ERROR",
+                (None, true) => "ok",
+                (None, false) => "FAIL",
+            };
+            eprintln!(
+                "selftest [{:7.1} s] {} {}: {result} ({:.3e}, tolerance {:.1e})",
+                self.started.elapsed().as_secs_f64(),
+                c.check,
+                c.backend,
+                c.value,
+                c.tolerance
+            );
+        }
+    }
 }
 
 /// Loads fixture `name` from `dir` and appends its model checks, then its streamed-training checks
@@ -482,7 +510,9 @@ fn fixture_checks(ctx: &FixtureRun<'_>, name: &str, dir: &Path, checks: &mut Vec
         }
     };
     for b in ctx.backends {
+        let from = checks.len();
         checks.extend(guarded(&format!("{name}/model"), b.label, || Ok((b.model)(name, &host, &batch, &r))));
+        ctx.progress(&checks[from..]);
     }
     // Streamed training, when the fixture has a training batch.
     let train_file = ctx.args.fixtures.join("train").join(name).join("train.jsonl");
@@ -519,6 +549,7 @@ fn train_checks(ctx: &FixtureRun<'_>, name: &str, host: &HostModel, train_file: 
     for b in ctx.backends {
         for (policy, plan, micro) in policies(layers) {
             let check = format!("{name}/train {policy}");
+            let from = checks.len();
             checks.extend(guarded(&check, b.label, || {
                 let got = (b.train)(host, &tb, plan, micro, args.train_steps, spill_dir)?;
                 let worst = got.iter().zip(&want).map(|(g, w)| rel(*g, *w)).fold(0.0, nan_max);
@@ -530,6 +561,7 @@ fn train_checks(ctx: &FixtureRun<'_>, name: &str, host: &HostModel, train_file: 
                     b.tol.train_loss,
                 )])
             }));
+            ctx.progress(&checks[from..]);
         }
     }
 }
