@@ -109,6 +109,10 @@ impl SharedModel {
                     }
                     let mut c = huge_vec(t.data.len(), bf16::ZERO);
                     fill_bf16(&t.data, &mut c, pool)?;
+                    let c = lt_model::upload::CopyBuf::new(c);
+                    // Page-locked now where the device offers it (CUDA), so that the first step's
+                    // uploads do not pay for it; elsewhere, or refused, it stays pageable.
+                    c.pin();
                     Ok(Some(Arc::new(c)))
                 })
                 .collect()

@@ -151,6 +151,19 @@ pub fn reserved_bytes<D: Any>(device: &D) -> Option<u64> {
     None
 }
 
+/// The first line of a caught panic's message, or `otherwise` when it carries no text.
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+fn panic_line(p: &(dyn Any + Send), otherwise: &str) -> String {
+    p.downcast_ref::<String>()
+        .map(String::as_str)
+        .or_else(|| p.downcast_ref::<&str>().copied())
+        .unwrap_or(otherwise)
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .to_string()
+}
+
 /// The default wgpu device, with its runtime initialised: `Err` with one line that says how to get
 /// an adapter when there is none (cubecl panics deep inside its setup otherwise).
 #[cfg(feature = "wgpu")]
@@ -166,15 +179,7 @@ pub fn wgpu_device() -> Result<burn_wgpu::WgpuDevice, String> {
         });
         std::panic::set_hook(hook);
         r.map(|_| ()).map_err(|p| {
-            let why = p
-                .downcast_ref::<String>()
-                .map(String::as_str)
-                .or_else(|| p.downcast_ref::<&str>().copied())
-                .unwrap_or("the runtime panicked")
-                .lines()
-                .next()
-                .unwrap_or_default()
-                .to_string();
+            let why = panic_line(p.as_ref(), "the runtime panicked");
             format!(
                 "no wgpu adapter ({why}): install a Vulkan driver, e.g. `apt-get install -y mesa-vulkan-drivers \
                  libvulkan1` (lavapipe, which runs on the CPU)"
@@ -215,5 +220,160 @@ mod tests {
         let inside = std::thread::spawn(move || on_stream(here, current_stream)).join().unwrap();
         assert_eq!(inside, here);
         assert_eq!(current_stream(), here);
+    }
+}
+
+/// CUDA set-up that Burn and cubecl leave to the application, done once before the first client:
+/// the on-disk kernel cache, and page-locking for the optimizer's bf16 upload copies.
+#[cfg(feature = "cuda")]
+pub mod cuda {
+    use std::path::PathBuf;
+    use std::sync::OnceLock;
+
+    use cudarc::driver::{result, sys};
+
+    /// What [`setup`] did.
+    #[derive(Clone, Debug)]
+    pub struct Setup {
+        /// Device 0's compute capability.
+        pub compute_capability: (i32, i32),
+        /// Where compiled kernels (PTX) are kept between runs; `None` when switched off
+        /// (`LT_KERNEL_CACHE=off`) or when a `cubecl.toml` had already configured the runtime.
+        pub kernel_cache: Option<PathBuf>,
+        /// Whether upload copies are page-locked (`LT_PIN_COPY`, on by default).
+        pub pinning: bool,
+    }
+
+    /// The primary context of device 0, the one cubecl-cuda runs in.
+    struct Primary(sys::CUcontext);
+    // SAFETY: a context handle is a process-wide driver object; the driver accepts it on any thread.
+    unsafe impl Send for Primary {}
+    // SAFETY: as above; the handle is only read.
+    unsafe impl Sync for Primary {}
+
+    /// Device 0's primary context and its compute capability.
+    type Found = (Primary, (i32, i32));
+
+    /// Device 0's primary context and compute capability; `Err` with one line when there is no
+    /// driver or no device (cudarc panics when `libcuda` cannot be loaded: caught here).
+    fn primary() -> Result<&'static Found, String> {
+        static P: OnceLock<Result<Found, String>> = OnceLock::new();
+        P.get_or_init(|| {
+            // Keep cudarc's panic report off stderr: the error below says it in one line.
+            let hook = std::panic::take_hook();
+            std::panic::set_hook(Box::new(|_| {}));
+            let found = std::panic::catch_unwind(|| -> Result<Found, String> {
+                result::init().map_err(|e| format!("cuInit: {e:?}"))?;
+                let dev = result::device::get(0).map_err(|e| format!("no CUDA device 0: {e:?}"))?;
+                let attr = |a| {
+                    // SAFETY: `dev` came from `device::get`.
+                    unsafe { result::device::get_attribute(dev, a) }.map_err(|e| format!("{e:?}"))
+                };
+                let cc = (
+                    attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+                    attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+                );
+                // SAFETY: `dev` came from `device::get`; the primary context is retained for the
+                // process's life, as cubecl-cuda retains it.
+                let ctx = unsafe { result::primary_ctx::retain(dev) }.map_err(|e| format!("{e:?}"))?;
+                Ok((Primary(ctx), cc))
+            });
+            std::panic::set_hook(hook);
+            match found {
+                Ok(r) => r,
+                Err(panic) => Err(super::panic_line(panic.as_ref(), "the CUDA driver could not be loaded")),
+            }
+        })
+        .as_ref()
+        .map_err(Clone::clone)
+    }
+
+    /// Makes the primary context current on this thread (page-locking acts in the current context).
+    fn make_current() -> bool {
+        match primary() {
+            // SAFETY: a valid context handle, retained for the process's life.
+            Ok((ctx, _)) => unsafe { result::ctx::set_current(ctx.0) }.is_ok(),
+            Err(_) => false,
+        }
+    }
+
+    fn register(ptr: *mut u8, len: usize) -> bool {
+        static WARNED: OnceLock<()> = OnceLock::new();
+        if !make_current() {
+            return false;
+        }
+        // SAFETY: `ptr..ptr + len` is one live allocation owned by a `CopyBuf`, which neither moves
+        // nor frees it before unregistering it (its `Drop`). PORTABLE: locked for every context.
+        let r = unsafe { sys::cuMemHostRegister_v2(ptr.cast(), len, sys::CU_MEMHOSTREGISTER_PORTABLE) }.result();
+        if let Err(e) = &r {
+            WARNED.get_or_init(|| {
+                eprintln!("warning: page-locking a {len}-byte upload copy failed ({e:?}); such copies upload from pageable memory")
+            });
+        }
+        r.is_ok()
+    }
+
+    fn unregister(ptr: *mut u8) {
+        if make_current() {
+            // SAFETY: `ptr` was registered by `register` and is still allocated (called from the
+            // owner's `Drop`, before the free). A failure leaves the pages locked: nothing to do.
+            let _ = unsafe { sys::cuMemHostUnregister(ptr.cast()) };
+        }
+    }
+
+    /// The kernel cache folder for compute capability `cc`: `LT_KERNEL_CACHE` if set (`off` or `0`
+    /// switches the cache off), else `$XDG_CACHE_HOME/lazytrain/kernels`, else
+    /// `$HOME/.cache/lazytrain/kernels`; one sub-folder per capability, because cubecl keys its
+    /// cache by kernel alone and PTX built for `sm_90a` does not load on another GPU.
+    pub fn kernel_cache_dir(cc: (i32, i32)) -> Option<PathBuf> {
+        let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty());
+        let root = match var("LT_KERNEL_CACHE") {
+            Some(v) if v == "off" || v == "0" => return None,
+            Some(v) => PathBuf::from(v),
+            None => var("XDG_CACHE_HOME")
+                .map(PathBuf::from)
+                .or_else(|| var("HOME").map(|h| PathBuf::from(h).join(".cache")))?
+                .join("lazytrain")
+                .join("kernels"),
+        };
+        Some(root.join(format!("sm_{}{}", cc.0, cc.1)))
+    }
+
+    /// Once per process, before the first CUDA client: finds device 0, points cubecl's PTX cache
+    /// at [`kernel_cache_dir`] (the first run on a GPU compiles every kernel with NVRTC on one host
+    /// thread: minutes on the first H200 run, 2026-12-04; later runs load them) unless a
+    /// `cubecl.toml` configured one, and installs page-locking for upload copies unless
+    /// `LT_PIN_COPY=0`. `Err` with one line when there is no usable driver or device.
+    pub fn setup() -> Result<Setup, String> {
+        static DONE: OnceLock<Result<Setup, String>> = OnceLock::new();
+        DONE.get_or_init(|| {
+            let (_, cc) = primary()?;
+            let kernel_cache = configure_kernel_cache(*cc);
+            let pinning = crate::upload::pin_copies();
+            if pinning {
+                crate::upload::set_pinner(crate::upload::Pinner { register, unregister });
+            }
+            Ok(Setup { compute_capability: *cc, kernel_cache, pinning })
+        })
+        .clone()
+    }
+
+    /// Sets cubecl's runtime configuration (its `cubecl.toml`, environment overrides included)
+    /// with the PTX cache at [`kernel_cache_dir`] when the file names none; returns the folder used.
+    fn configure_kernel_cache(cc: (i32, i32)) -> Option<PathBuf> {
+        use cubecl::config::{CubeClRuntimeConfig, RuntimeConfig, cache::CacheConfig};
+        if CubeClRuntimeConfig::storage().lock().is_some() {
+            return None; // already read: a client exists; leave it as it is
+        }
+        let mut config = CubeClRuntimeConfig::from_current_dir().override_from_env();
+        let dir = match &config.compilation.cache {
+            Some(_) => None,
+            None => kernel_cache_dir(cc).filter(|d| std::fs::create_dir_all(d).is_ok()),
+        };
+        if let Some(d) = &dir {
+            config.compilation.cache = Some(CacheConfig::File(d.clone()));
+        }
+        // `set` panics if another thread read the configuration since the check above.
+        std::panic::catch_unwind(|| CubeClRuntimeConfig::set(config)).ok().and(dir)
     }
 }

@@ -7,7 +7,8 @@
 //!   or fp32) writes each parameter's bf16 bits in the same pass that writes the fp32 master
 //!   (lt-optim's `update_with_copy`), so an upload converts nothing. The [`TensorData`] shares the copy's
 //!   allocation, and the patched cubecl-runtime (docs/architecture.md, "Patched cubecl-runtime")
-//!   hands it to the server as it is: no host copy of ours or cubecl's before the driver's own;
+//!   hands it to the server as it is: no host copy of ours or cubecl's before the driver's own.
+//!   On CUDA the copy is page-locked in place ([`CopyBuf`]), so the driver's own is one DMA;
 //! - **the fp32 master, converted** ([`host_data`]): f32 devices (ndarray, wgpu on most adapters),
 //!   and bf16 without a copy. One pass over several threads: each converts its own range (f32 ->
 //!   bf16 or f16 with round-to-nearest-even, bit for bit what Burn's conversion through `half`
@@ -24,7 +25,7 @@
 //! (cubecl-runtime 0.10.0 `client.rs`, `staging` and `do_create`).
 
 use std::mem::MaybeUninit;
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{AllocationProperty, Bytes, DType, Element, Tensor, TensorData};
@@ -61,7 +62,149 @@ fn env_switch(name: &str, default: bool) -> bool {
 
 /// A bf16 copy of one fp32 master tensor, shared between the optimizer that keeps it up to date and
 /// the uploads that read it.
-pub type Bf16Copy = std::sync::Arc<Vec<half::bf16>>;
+pub type Bf16Copy = std::sync::Arc<CopyBuf>;
+
+/// How a backend page-locks host memory for its DMA engine: on CUDA, `cuMemHostRegister` and
+/// `cuMemHostUnregister` in the device's primary context (`device::cuda`). Installed once per
+/// process by the code that creates the device; none on the CPU and wgpu backends.
+#[derive(Clone, Copy, Debug)]
+pub struct Pinner {
+    /// Page-locks `len` bytes at `ptr`; `false` when the driver refuses (the buffer stays pageable).
+    pub register: fn(*mut u8, usize) -> bool,
+    /// Undoes a successful `register` of the buffer at `ptr`.
+    pub unregister: fn(*mut u8),
+}
+
+static PINNER: OnceLock<Pinner> = OnceLock::new();
+
+/// Installs the backend's [`Pinner`]: from then on [`CopyBuf::pin`] page-locks upload copies. Only
+/// the first call counts.
+pub fn set_pinner(p: Pinner) {
+    let _ = PINNER.set(p);
+}
+
+/// Whether upload copies are page-locked when a backend offers it: on by default, off with
+/// `LT_PIN_COPY=0` (or `off`, `false`), for comparison and as a fallback. Read once per process.
+pub fn pin_copies() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| env_switch("LT_PIN_COPY", true))
+}
+
+/// Copies smaller than this stay pageable: a norm weight's DMA costs less than locking its page.
+pub const PIN_MIN_BYTES: usize = 1 << 20;
+
+/// The bf16 upload copy of one master: a fixed-size buffer (no method can reallocate it, so it can
+/// be page-locked in place) that [`pin`](Self::pin) registers with the backend's DMA engine once and
+/// that unregisters itself when the last reference goes.
+///
+/// Page-locked, an upload is one DMA at the bus's speed. Pageable, the CUDA driver copies it through
+/// its own bounce buffers first: on the first H200 run (2026-12-04) uploads from pageable memory ran
+/// at 6.2 GB/s against 54.6 GB/s for downloads into cubecl's page-locked pool.
+///
+/// A clone (`Arc::make_mut` while an upload still holds the buffer) is pageable until it is pinned
+/// in turn. Unregistration happens in `Drop`, that is after the last upload holding the buffer has
+/// let it go (cubecl keeps it until the copy's stream has passed the DMA): freeing registered memory
+/// would leave the driver a stale page list.
+pub struct CopyBuf {
+    data: Vec<half::bf16>,
+    pin: Mutex<PinState>,
+}
+
+/// Where a [`CopyBuf`] stands with the backend's page-locking.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PinState {
+    /// Not tried yet (no backend pinner installed when last asked, or never asked).
+    Unpinned,
+    /// Registered: uploads DMA straight from it.
+    Pinned,
+    /// Not eligible (smaller than [`PIN_MIN_BYTES`], or switched off) or refused by the driver: not
+    /// tried again.
+    Pageable,
+}
+
+impl CopyBuf {
+    /// Wraps `data` (pageable until [`pin`](Self::pin)).
+    pub fn new(data: Vec<half::bf16>) -> Self {
+        Self { data, pin: Mutex::new(PinState::Unpinned) }
+    }
+
+    /// The values.
+    pub fn as_slice(&self) -> &[half::bf16] {
+        &self.data
+    }
+
+    /// The values, to write in place (the buffer keeps its address: a registration stays valid).
+    pub fn as_mut_slice(&mut self) -> &mut [half::bf16] {
+        &mut self.data
+    }
+
+    /// Page-locks the buffer with the installed [`Pinner`] if it is large enough, pinning is on
+    /// ([`pin_copies`]) and it was not tried before; returns the state after. Without a pinner (CPU,
+    /// wgpu, or before the CUDA device exists) it stays [`PinState::Unpinned`], to be tried again.
+    pub fn pin(&self) -> PinState {
+        let mut st = self.pin.lock().unwrap_or_else(|e| e.into_inner());
+        if *st != PinState::Unpinned {
+            return *st;
+        }
+        let Some(p) = PINNER.get() else { return *st };
+        let bytes = std::mem::size_of_val(self.data.as_slice());
+        *st = if bytes < PIN_MIN_BYTES || !pin_copies() {
+            PinState::Pageable
+        } else if (p.register)(self.data.as_ptr().cast_mut().cast(), bytes) {
+            PinState::Pinned
+        } else {
+            PinState::Pageable
+        };
+        *st
+    }
+
+    /// Where the buffer stands with page-locking.
+    pub fn pin_state(&self) -> PinState {
+        *self.pin.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl From<Vec<half::bf16>> for CopyBuf {
+    fn from(data: Vec<half::bf16>) -> Self {
+        Self::new(data)
+    }
+}
+
+impl FromIterator<half::bf16> for CopyBuf {
+    fn from_iter<I: IntoIterator<Item = half::bf16>>(iter: I) -> Self {
+        Self::new(iter.into_iter().collect())
+    }
+}
+
+impl std::ops::Deref for CopyBuf {
+    type Target = [half::bf16];
+    fn deref(&self) -> &[half::bf16] {
+        &self.data
+    }
+}
+
+impl Clone for CopyBuf {
+    /// A pageable copy of the values (see the type's docs).
+    fn clone(&self) -> Self {
+        Self::new(self.data.clone())
+    }
+}
+
+impl std::fmt::Debug for CopyBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CopyBuf").field("len", &self.data.len()).field("pin", &self.pin_state()).finish()
+    }
+}
+
+impl Drop for CopyBuf {
+    fn drop(&mut self) {
+        if *self.pin.get_mut().unwrap_or_else(|e| e.into_inner()) == PinState::Pinned
+            && let Some(p) = PINNER.get()
+        {
+            (p.unregister)(self.data.as_mut_ptr().cast());
+        }
+    }
+}
 
 /// `copy` as bf16 [`TensorData`] of shape `shape`, sharing `copy`'s allocation: nothing is converted
 /// or copied here. The data holds a reference to `copy` until the runtime is done with it (cubecl's
@@ -80,6 +223,8 @@ pub fn shared_bf16_data(copy: &Bf16Copy, shape: &[usize]) -> Option<TensorData> 
     if shape.iter().product::<usize>() != copy.len() {
         return None;
     }
+    // A copy made before the device existed, or a clone, is page-locked at its first upload.
+    copy.pin();
     let bytes = bytes::Bytes::from_owner(Lent(std::sync::Arc::clone(copy)));
     Some(TensorData::from_bytes(Bytes::from_shared(bytes, AllocationProperty::Other), shape.to_vec(), DType::BF16))
 }
@@ -264,7 +409,7 @@ mod tests {
     #[test]
     fn shared_copy_equals_the_conversion_and_shares_memory() {
         let x = edge_values(5000);
-        let copy: Bf16Copy = std::sync::Arc::new(x.iter().map(|&v| half::bf16::from_f32(v)).collect());
+        let copy: Bf16Copy = std::sync::Arc::new(CopyBuf::new(x.iter().map(|&v| half::bf16::from_f32(v)).collect()));
         let data = shared_bf16_data(&copy, &[50, 100]).unwrap();
         assert_eq!(data.dtype, DType::BF16);
         assert_eq!(data.as_bytes(), host_data(&x, &[50, 100], DType::BF16).as_bytes());
@@ -276,6 +421,65 @@ mod tests {
         let (got, want) = (t.into_data().to_vec::<f32>().unwrap(), want.into_data().to_vec::<f32>().unwrap());
         assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())));
         assert!(shared_bf16_data(&copy, &[50, 99]).is_none());
+    }
+
+    /// Page-locking follows the buffer's life: registered once at the first `pin` (or upload), never
+    /// for small buffers, a clone (`Arc::make_mut` while an upload holds the buffer) starts pageable,
+    /// and each registration is undone exactly once, when the last reference goes. A fake pinner
+    /// stands in for CUDA's; it is the only one any test installs.
+    #[test]
+    fn pinned_copies_are_registered_once_and_unregistered_on_drop() {
+        use std::collections::HashMap;
+        static LIVE: Mutex<Option<HashMap<usize, usize>>> = Mutex::new(None);
+        static EVENTS: Mutex<Vec<(bool, usize)>> = Mutex::new(Vec::new());
+        fn register(ptr: *mut u8, len: usize) -> bool {
+            let mut live = LIVE.lock().unwrap();
+            let prev = live.get_or_insert_with(HashMap::new).insert(ptr as usize, len);
+            assert!(prev.is_none(), "registered twice");
+            EVENTS.lock().unwrap().push((true, ptr as usize));
+            true
+        }
+        fn unregister(ptr: *mut u8) {
+            let removed = LIVE.lock().unwrap().get_or_insert_with(HashMap::new).remove(&(ptr as usize));
+            assert!(removed.is_some(), "unregistered a buffer that was not registered");
+            EVENTS.lock().unwrap().push((false, ptr as usize));
+        }
+        set_pinner(Pinner { register, unregister });
+        let ours = |p: usize| EVENTS.lock().unwrap().iter().filter(|e| e.1 == p).copied().collect::<Vec<_>>();
+
+        let n = PIN_MIN_BYTES / 2; // exactly PIN_MIN_BYTES of bf16
+        let mut copy: Bf16Copy = std::sync::Arc::new(CopyBuf::new(vec![half::bf16::ONE; n]));
+        let p0 = copy.as_ptr() as usize;
+        assert_eq!(copy.pin_state(), PinState::Unpinned);
+        assert_eq!(copy.pin(), PinState::Pinned);
+        assert_eq!(copy.pin(), PinState::Pinned, "pinning again is a no-op");
+        assert_eq!(ours(p0), vec![(true, p0)]);
+
+        // An upload holds the buffer while the optimizer writes: the writer gets a pageable clone.
+        let held = shared_bf16_data(&copy, &[n]).unwrap();
+        std::sync::Arc::make_mut(&mut copy).as_mut_slice()[0] = half::bf16::ZERO;
+        let p1 = copy.as_ptr() as usize;
+        assert_ne!(p0, p1);
+        assert_eq!(copy.pin_state(), PinState::Unpinned);
+        assert_eq!(ours(p0), vec![(true, p0)], "still registered while the upload holds it");
+        drop(held);
+        assert_eq!(ours(p0), vec![(true, p0), (false, p0)], "unregistered when the last holder let go");
+        // The clone is pinned at its first upload.
+        let again = shared_bf16_data(&copy, &[n]).unwrap();
+        assert_eq!(copy.pin_state(), PinState::Pinned);
+        assert_eq!(ours(p1), vec![(true, p1)]);
+        drop(again);
+        drop(copy);
+        assert_eq!(ours(p1), vec![(true, p1), (false, p1)]);
+
+        // Small buffers are never registered, and not tried again (the allocator may hand out a freed
+        // address again, so count all events rather than this address's).
+        let before = EVENTS.lock().unwrap().len();
+        let small = CopyBuf::new(vec![half::bf16::ONE; n - 1]);
+        assert_eq!(small.pin(), PinState::Pageable);
+        assert_eq!(small.pin(), PinState::Pageable);
+        drop(small);
+        assert_eq!(EVENTS.lock().unwrap().len(), before, "a small buffer was registered or unregistered");
     }
 
     /// An upload on the CPU backend returns the host values unchanged, in the given shape.

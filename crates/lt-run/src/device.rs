@@ -61,6 +61,28 @@ pub fn not_built(device: DeviceChoice) -> anyhow::Error {
     )
 }
 
+/// The CUDA device (device 0), after the set-up Burn leaves to the application (the on-disk kernel
+/// cache and page-locked upload copies: `lt_model::device::cuda::setup`), reported once on stderr;
+/// one line saying what is missing when there is no driver or device.
+#[cfg(feature = "cuda")]
+pub fn cuda() -> anyhow::Result<<lt_model::CudaBackend as burn::tensor::backend::BackendTypes>::Device> {
+    static SAID: std::sync::Once = std::sync::Once::new();
+    let s =
+        lt_model::device::cuda::setup().map_err(|e| anyhow::anyhow!("--device cuda: cannot initialise CUDA: {e}"))?;
+    SAID.call_once(|| {
+        let cache = match &s.kernel_cache {
+            Some(d) => format!("compiled kernels cached in {} (LT_KERNEL_CACHE to move, =off to disable)", d.display()),
+            None => "no kernel cache (LT_KERNEL_CACHE=off, or set by a cubecl.toml)".into(),
+        };
+        let pin = if s.pinning { "upload copies page-locked" } else { "upload copies pageable (LT_PIN_COPY=0)" };
+        eprintln!(
+            "cuda: device 0, compute capability {}.{}; {cache}; {pin}",
+            s.compute_capability.0, s.compute_capability.1
+        );
+    });
+    Ok(Default::default())
+}
+
 /// The wgpu device, its runtime initialised; one line saying how to get an adapter when there is none.
 #[cfg(feature = "wgpu")]
 pub fn wgpu() -> anyhow::Result<<lt_model::WgpuBackend as burn::tensor::backend::BackendTypes>::Device> {

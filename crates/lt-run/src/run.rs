@@ -124,7 +124,10 @@ impl Run {
         match self.settings.device {
             DeviceChoice::Cpu => self.execute_on::<lt_model::CpuAutodiff>(Default::default()),
             #[cfg(feature = "cuda")]
-            DeviceChoice::Cuda => self.execute_on::<lt_model::CudaAutodiff>(Default::default()),
+            DeviceChoice::Cuda => {
+                let device = crate::device::cuda()?;
+                self.execute_on::<lt_model::CudaAutodiff>(device)
+            }
             #[cfg(feature = "wgpu")]
             DeviceChoice::Wgpu => {
                 let device = crate::device::wgpu()?;

@@ -102,7 +102,8 @@ pub fn run(args: &BenchLayerArgs) -> Result<()> {
         }
         #[cfg(feature = "cuda")]
         DeviceChoice::Cuda => {
-            crate::timing::layer_times::<lt_model::CudaAutodiff>(&cfg, index, b, t, form, w, r, &Default::default())?
+            let device = lt_run::device::cuda()?;
+            crate::timing::layer_times::<lt_model::CudaAutodiff>(&cfg, index, b, t, form, w, r, &device)?
         }
         #[cfg(feature = "wgpu")]
         DeviceChoice::Wgpu => {

@@ -299,7 +299,10 @@ activations) but only {} is available (MemAvailable)",
     match s.device {
         DeviceChoice::Cpu => bench_on::<lt_model::CpuAutodiff>(args, &s, &cfg, &chosen, need, Default::default()),
         #[cfg(feature = "cuda")]
-        DeviceChoice::Cuda => bench_on::<lt_model::CudaAutodiff>(args, &s, &cfg, &chosen, need, Default::default()),
+        DeviceChoice::Cuda => {
+            let device = lt_run::device::cuda().map_err(|e| Failure::new(FailKind::Error, e.to_string()))?;
+            bench_on::<lt_model::CudaAutodiff>(args, &s, &cfg, &chosen, need, device)
+        }
         #[cfg(feature = "wgpu")]
         DeviceChoice::Wgpu => {
             let device = lt_run::device::wgpu().map_err(|e| Failure::new(FailKind::Error, e.to_string()))?;

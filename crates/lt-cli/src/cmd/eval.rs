@@ -99,9 +99,10 @@ pub fn run(args: &EvalArgs) -> Result<()> {
         }
         #[cfg(feature = "cuda")]
         DeviceChoice::Cuda => {
+            let device = lt_run::device::cuda()?;
             // A GPU out-of-memory or driver failure surfaces as a panic inside cubecl: report it as one line.
             crate::failure::catch_panics(|| {
-                generate_on::<lt_model::CudaBackend>(&host, &encoder, &examples, args, score, &Default::default())
+                generate_on::<lt_model::CudaBackend>(&host, &encoder, &examples, args, score, &device)
                     .map_err(|e| crate::failure::Failure::from_error(&e))
             })
             .map_err(|e| anyhow::anyhow!("--device cuda: {e}"))?

@@ -94,7 +94,9 @@ pub fn run(args: &LogitsArgs) -> Result<()> {
     let out = match args.device {
         DeviceChoice::Cpu => logits_on::<lt_model::CpuBackend>(&host, &batch, per_pass, &Default::default(), &pb),
         #[cfg(feature = "cuda")]
-        DeviceChoice::Cuda => logits_on::<lt_model::CudaBackend>(&host, &batch, per_pass, &Default::default(), &pb),
+        DeviceChoice::Cuda => {
+            logits_on::<lt_model::CudaBackend>(&host, &batch, per_pass, &lt_run::device::cuda()?, &pb)
+        }
         #[cfg(feature = "wgpu")]
         DeviceChoice::Wgpu => {
             logits_on::<lt_model::WgpuBackend>(&host, &batch, per_pass, &lt_run::device::wgpu()?, &pb)

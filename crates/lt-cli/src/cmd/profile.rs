@@ -243,6 +243,8 @@ struct Measured {
     /// Host bytes read and written per uploaded byte before the driver's own transfer, on the
     /// executor's upload path (counted from the path, not measured).
     host_bytes_per_uploaded_byte: Option<f64>,
+    /// Whether the executor-path upload read a page-locked bf16 copy (absent on f32 devices).
+    h2d_copy_pinned: Option<bool>,
     transfer_source: Option<String>,
     transfer_bytes: Option<usize>,
     gemm_tflops: Option<f64>,
@@ -330,7 +332,8 @@ fn measure_device(args: &ProfileArgs, sizes: &Sizes, say: &dyn Fn(String)) -> Re
         }
         #[cfg(feature = "cuda")]
         DeviceChoice::Cuda => {
-            guarded(&|| measure_backend::<lt_model::CudaAutodiff>(args, sizes, &Default::default(), "bf16", say))?
+            let device = lt_run::device::cuda()?;
+            guarded(&|| measure_backend::<lt_model::CudaAutodiff>(args, sizes, &device, "bf16", say))?
         }
         #[cfg(feature = "wgpu")]
         DeviceChoice::Wgpu => {
@@ -475,6 +478,7 @@ fn measure_transfers<B: Backend>(
             m.h2d_pageable_gb_per_s = Some(r.h2d_pageable);
             m.h2d_pinned_gb_per_s = Some(r.h2d_pinned);
             m.host_bytes_per_uploaded_byte = Some(r.host_touch);
+            m.h2d_copy_pinned = r.copy_pinned;
             m.transfer_source = Some(
                 "uploads: the executor's path (bf16 devices: the optimizer's bf16 copy, shared with the runtime; \
 f32 devices: the fp32 master, one threaded copy); downloads: Burn into_data; device dtype, synchronised, \
@@ -482,11 +486,16 @@ best of several"
                     .into(),
             );
             say(format!(
-                "transfers ({}): h2d as the executor uploads {:.2} GB/s (from pageable native data {:.2}, from \
-pinned {:.2}), d2h {:.2} GB/s; host bytes touched per uploaded byte before the driver: {:.1} (counted from \
-the path)",
+                "transfers ({}): h2d as the executor uploads {:.2} GB/s{} (from pageable native data {:.2}, from \
+cubecl's pinned staging {:.2}), d2h {:.2} GB/s; host bytes touched per uploaded byte before the driver: {:.1} \
+(counted from the path)",
                 ByteSize(sizes.transfer_bytes as u64),
                 r.h2d_executor,
+                match r.copy_pinned {
+                    Some(true) => " from the page-locked bf16 copy",
+                    Some(false) => " from the bf16 copy, pageable",
+                    None => "",
+                },
                 r.h2d_pageable,
                 r.h2d_pinned,
                 r.d2h,
@@ -590,6 +599,9 @@ struct TransferRates {
     h2d_executor: f64,
     /// `into_data` of the uploaded tensor.
     d2h: f64,
+    /// Whether the bf16 copy the executor's path uploads from was page-locked (CUDA:
+    /// `cuMemHostRegister`; off with `LT_PIN_COPY=0`); `None` on f32 devices, which have no copy.
+    copy_pinned: Option<bool>,
     /// Host bytes read and written per uploaded byte on the executor's path before the driver's own
     /// transfer, by construction of that path (see [`host_touch_per_uploaded_byte`]).
     host_touch: f64,
@@ -619,8 +631,13 @@ fn transfers<B: Backend>(device: &B::Device, bytes: usize, reps: usize) -> Resul
     // A bf16 device uploads the optimizer's bf16 copy of the masters, made outside the timing as
     // the optimizer makes it outside the upload.
     let dtype = <<B as BackendTypes>::FloatElem as burn::tensor::Element>::dtype();
-    let copy: Option<lt_model::upload::Bf16Copy> = (dtype == burn::tensor::DType::BF16)
-        .then(|| std::sync::Arc::new(host.iter().map(|&x| burn::tensor::bf16::from_f32(x)).collect()));
+    let copy: Option<lt_model::upload::Bf16Copy> = (dtype == burn::tensor::DType::BF16).then(|| {
+        std::sync::Arc::new(lt_model::upload::CopyBuf::new(
+            host.iter().map(|&x| burn::tensor::bf16::from_f32(x)).collect(),
+        ))
+    });
+    // Page-locked as the executor's copies are (CUDA), before any timing.
+    let copy_pin = copy.as_ref().map(|c| c.pin());
     let shared = |c: &lt_model::upload::Bf16Copy| {
         lt_model::upload::shared_bf16_data(c, &[n]).ok_or_else(|| anyhow::anyhow!("bf16 copy of the wrong size"))
     };
@@ -663,6 +680,7 @@ fn transfers<B: Backend>(device: &B::Device, bytes: usize, reps: usize) -> Resul
         h2d_executor: gbs(&exec),
         d2h: gbs(&down),
         host_touch: host_touch_per_uploaded_byte(dtype),
+        copy_pinned: copy_pin.map(|p| p == lt_model::upload::PinState::Pinned),
     })
 }
 

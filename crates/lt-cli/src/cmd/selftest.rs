@@ -388,7 +388,9 @@ pub fn run(args: &SelftestArgs) -> Result<()> {
         DeviceChoice::Cpu => vec![UnderTest { label: "cpu", tol: TOL_CPU, model: &cpu_model, train: &cpu_train }],
         #[cfg(feature = "cuda")]
         DeviceChoice::Cuda => {
-            // One clear line when there is no usable GPU or driver, instead of the same failure per check.
+            // One clear line when there is no usable GPU or driver, instead of the same failure per check;
+            // the set-up (kernel cache, page-locked upload copies) applies to every check below.
+            lt_run::device::cuda()?;
             catch_panics(|| {
                 let device = Default::default();
                 let t = burn::tensor::Tensor::<lt_model::CudaBackend, 1>::zeros([1], &device);
