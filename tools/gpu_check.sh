@@ -4,41 +4,58 @@
 #
 #   tools/gpu_check.sh [LT]            # LT: $1, else $LT_BIN, else ./target/release/lt
 #   OUT=/tmp/x BATCH=8 tools/gpu_check.sh target-cuda/release/lt
+#   OUT=$OUT PACK_LOGS=1 tools/gpu_check.sh carried/lt.gz   # a gzipped binary; logs in one .tgz
 #
-# Steps, each under its own `timeout` and capped by the overall budget so one hang cannot eat it:
-#   1. lt selftest --device cuda --json      CUDA vs CPU parity on the tiny fixtures (tools/fixtures/)
-#   2. lt profile  --device cuda --json      writes $OUT/h200-measured.toml
-#   3. lt bench train, Qwen2.5-7B (random init), seq 1024, batch $BATCH, steps 8 + 1 warm-up, policy
-#      auto and then megatrain, on the measured profile if step 2 wrote one (else the built-in h200);
-#      each run reports the device memory reserved and the process's RSS after every step
+# Steps, each under its own `timeout` and capped by the overall budget so one hang cannot eat it,
+# most valuable first: the first run on a fresh GPU compiles every kernel with NVRTC on one host
+# thread and autotunes the matmuls (minutes: on the first H200 run, 2026-12-04, the bf16 selftest of
+# one tiny fixture and a 7B step each ran past 140 s at 100% of one core), and `lt` keeps the
+# compiled kernels on disk (LT_KERNEL_CACHE, default ~/.cache/lazytrain/kernels) so later steps and
+# runs load them instead.
+#   1. lt profile --device cuda --skip layer,disk --json: transfers (uploads from the optimizer's
+#      page-locked bf16 copy, and from pageable and staged data), the GEMM peak, the host optimizer;
+#      writes $OUT/cuda-measured.toml
+#   2. lt selftest --device cuda $SELFTEST_ARGS --json: CUDA vs CPU parity on tiny fixtures
+#      (tools/fixtures/), bf16 on a dense and a hybrid fixture by default
+#   3. lt bench train, Qwen2.5-7B (random init), seq 1024, batch $BATCH, steps $STEPS + $WARMUP
+#      warm-up, policy auto and then megatrain, on the measured profile if step 1 wrote one (else the
+#      built-in h200); each run reports the device memory reserved and the process's RSS per step
 #   4. lt bench train, one Qwen3.6-27B-sized hybrid pair (a linear-attention and a full-attention
 #      layer of the 27B's dimensions, configs/models/qwen3.6-27b-pair.json, whose vocabulary is cut to
 #      1024 so the two layers dominate) at batch 1 x seq 1024: one timed step
-#   5. $OUT/gpu_check.json: nvidia-smi, host facts, and per step the command, exit code, seconds,
-#      whether it timed out or was killed, the last stdout line (each lt command ends with one JSON
-#      line) and the tail of stderr. It is rewritten after every step, so a killed run still leaves
-#      what finished.
+#   5. lt profile's layer fit (a 7B-sized layer at 2048 tokens), into $OUT/cuda-measured-layer.toml
+#   6. $OUT/gpu_check.json: nvidia-smi, where CUDA's toolkit and NVRTC were found, host facts, and
+#      per step the command, exit code, seconds, whether it timed out or was killed, the last stdout
+#      line (each lt command ends with one JSON line) and the tail of stderr (each command prints
+#      progress lines there: per check, per step, per layer round). It is rewritten after every
+#      step, so a killed run still leaves what finished.
 # A failed step is recorded and the next one runs. Needs bash and coreutils only (no jq, no python).
 # Exit status 124, or 137 at the limit, is a timeout; 137 before the limit is a SIGKILL from outside,
 # most likely the kernel's out-of-memory killer ("killed" in the JSON). If the selftest really fails
-# (not a timeout, not a kill), it is run again with LT_UPLOAD_COPY=0 and, when that passes, the
-# later steps run without the optimizer-written upload copy too (recorded as settings.upload_copy).
+# (not a timeout, not a kill), it is run again with LT_PIN_COPY=0, then also with LT_UPLOAD_COPY=0,
+# and the first that passes is kept for the later steps (settings.pin_copy, settings.upload_copy).
 # Knobs (environment): OUT, DEVICE (cuda; `wgpu` rehearses the script on any machine with a Vulkan
-# driver, lavapipe included, with a small MODEL), BATCH (8), SEQ (1024), STEPS (8), WARMUP (1),
-# MODEL, PAIR_MODEL, PAIR_SEQ (1024), FIXTURES, HW (the built-in profile when `lt profile` fails:
-# h200 on cuda, cpu on wgpu), and the limits in seconds BUDGET_S (540 in all), SELFTEST_S (90),
-# PROFILE_S (100), BENCH_S (150 per policy), PAIR_S (60).
+# driver, lavapipe included, with a small MODEL), BATCH (8), SEQ (1024), STEPS (6), WARMUP (1),
+# MODEL, PAIR_MODEL, PAIR_SEQ (1024), FIXTURES, SELFTEST_ARGS, PROFILE_SKIP (layer,disk), HW (the
+# built-in profile when `lt profile` fails: h200 on cuda, cpu on wgpu), and the limits in seconds
+# BUDGET_S (560 in all: a device call may run 600), PROFILE_S (60), SELFTEST_S (180), BENCH_S (240,
+# the first policy), BENCH2_S (120, the second), PAIR_S (60), LAYER_S (120).
 # Exit code: 0 when every step passed, 1 otherwise.
 
 set -u -o pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 LT=${1:-${LT_BIN:-./target/release/lt}}
+# A gzipped binary (the cuda build is 61 MB, 15 MB gzipped) is unpacked into a temporary folder.
+if [[ $LT == *.gz && -f $LT ]]; then
+    UNPACKED=$(mktemp -d)/lt
+    gzip -dc "$LT" >"$UNPACKED" && chmod +x "$UNPACKED" && LT=$UNPACKED
+fi
 OUT=${OUT:-./gpu-check-out}
 DEVICE=${DEVICE:-cuda}
 BATCH=${BATCH:-8}
 SEQ=${SEQ:-1024}
-STEPS=${STEPS:-8}
+STEPS=${STEPS:-6}
 WARMUP=${WARMUP:-1}
 MODEL=${MODEL:-$ROOT/configs/models/qwen2.5-7b.json}
 PAIR_MODEL=${PAIR_MODEL:-$ROOT/configs/models/qwen3.6-27b-pair.json}
@@ -46,11 +63,16 @@ PAIR_SEQ=${PAIR_SEQ:-1024}
 FIXTURES=${FIXTURES:-$ROOT/tools/fixtures}
 if [[ $DEVICE == cuda ]]; then HW=${HW:-h200}; else HW=${HW:-cpu}; fi
 # Seconds: the whole script, and each step at most (a step gets less when the budget runs short).
-BUDGET_S=${BUDGET_S:-540}
-SELFTEST_S=${SELFTEST_S:-90}
-PROFILE_S=${PROFILE_S:-100}
-BENCH_S=${BENCH_S:-150}
+BUDGET_S=${BUDGET_S:-560}
+SELFTEST_S=${SELFTEST_S:-180}
+PROFILE_S=${PROFILE_S:-60}
+BENCH_S=${BENCH_S:-240}
+BENCH2_S=${BENCH2_S:-120}
 PAIR_S=${PAIR_S:-60}
+LAYER_S=${LAYER_S:-120}
+# The first profile measures transfers, the GEMM peak and the host optimizer; the layer fit runs last.
+PROFILE_SKIP=${PROFILE_SKIP:-layer,disk}
+SELFTEST_ARGS=${SELFTEST_ARGS:---no-f32 --only qwen3-tied-mqa --only qwen35-hybrid}
 
 mkdir -p "$OUT/logs" || { echo "gpu_check: cannot create $OUT" >&2; exit 1; }
 JSON="$OUT/gpu_check.json"
@@ -97,8 +119,8 @@ write_json() {
         printf '  "elapsed_seconds": %d,\n' "$((SECONDS - T0))"
         printf '  "lt": %s,\n' "$(json_str "$LT")"
         printf '  "lt_version": %s,\n' "$(json_str "$LT_VERSION")"
-        printf '  "settings": {"device": %s, "batch_size": %d, "seq_len": %d, "steps": %d, "warmup": %d, "model_config": %s, "pair_model_config": %s, "budget_seconds": %d, "upload_copy": %s, "pinned_uploads": %s},\n' \
-            "$(json_str "$DEVICE")" "$BATCH" "$SEQ" "$STEPS" "$WARMUP" "$(json_str "$MODEL")" "$(json_str "$PAIR_MODEL")" "$BUDGET_S" "$(json_str "${UPLOAD_COPY:-on}")" "$(json_str "${LT_PINNED_UPLOADS:-off}")"
+        printf '  "settings": {"device": %s, "batch_size": %d, "seq_len": %d, "steps": %d, "warmup": %d, "model_config": %s, "pair_model_config": %s, "budget_seconds": %d, "upload_copy": %s, "pin_copy": %s, "pinned_uploads": %s},\n' \
+            "$(json_str "$DEVICE")" "$BATCH" "$SEQ" "$STEPS" "$WARMUP" "$(json_str "$MODEL")" "$(json_str "$PAIR_MODEL")" "$BUDGET_S" "$(json_str "${UPLOAD_COPY:-on}")" "$(json_str "${PIN_COPY:-on}")" "$(json_str "${LT_PINNED_UPLOADS:-off}")"
         printf '  "host": {"nproc": %s, "mem_total_kib": %s, "kernel": %s},\n' \
             "$(nproc 2>/dev/null || echo null)" "${MEM_KIB:-null}" "$(json_str "$(uname -r)")"
         printf '  "cuda_runtime": %s,\n' "$(json_str "$CUDA_NOTE")"
@@ -197,8 +219,16 @@ else
 fi
 write_json
 
-# 1. Backend parity.
-run_step selftest "$SELFTEST_S" "$LT" selftest --device "$DEVICE" --fixtures "$FIXTURES" --json
+# 1. The machine's transfers and GEMM peak (seconds; the layer fit, which compiles and autotunes a
+# 7B-sized layer at 2048 tokens, runs last if time is left). Uploads read the optimizer's bf16 copy,
+# page-locked unless LT_PIN_COPY=0.
+PROFILE="$OUT/$DEVICE-measured.toml"
+run_step profile "$PROFILE_S" "$LT" profile --device "$DEVICE" --out "$PROFILE" --skip "$PROFILE_SKIP" --json
+if [[ $RC -eq 0 && -s $PROFILE ]]; then HARDWARE=$PROFILE; else HARDWARE=$HW; fi
+
+# 2. Backend parity (SELFTEST_ARGS: bf16 on two fixtures, a dense and a hybrid one, by default).
+# shellcheck disable=SC2086 # SELFTEST_ARGS is a list of flags
+run_step selftest "$SELFTEST_S" "$LT" selftest --device "$DEVICE" --fixtures "$FIXTURES" $SELFTEST_ARGS --json
 # Every check carries "passed" too, and the overall flag is false when any check is.
 SELFTEST="no result"
 if [[ $LAST == *'"passed":false'* ]]; then
@@ -207,35 +237,46 @@ elif [[ $LAST == *'"passed":true'* ]]; then
     SELFTEST="passed"
 fi
 
-# The optimizer-written bf16 upload copy (shared with the patched cubecl-runtime, no host copy) has
-# not run on a GPU before: if the selftest really failed (a check failed or it errored; not a
-# timeout, not a kill, which the copy would not explain), try it once with LT_UPLOAD_COPY=0 (convert
-# the masters at each upload, as before); if that passes, the remaining steps run that way too, so a
-# copy problem cannot cost the benchmark figures (the JSON says which way they were measured).
+# The page-locked upload copies (cuMemHostRegister) and the optimizer-written bf16 copy (shared
+# with the patched cubecl-runtime, no host copy) have not passed on a GPU yet: if the selftest
+# really failed (a check failed or it errored; not a timeout, not a kill, which they would not
+# explain), try it with LT_PIN_COPY=0 (pageable copies), then also with LT_UPLOAD_COPY=0 (convert
+# the masters at each upload, as before); the first that passes is kept for the remaining steps,
+# so that such a problem cannot cost the benchmark figures (the JSON says which way they ran).
 UPLOAD_COPY=${LT_UPLOAD_COPY:-on}
+PIN_COPY=${LT_PIN_COPY:-on}
 if [[ $TIMED_OUT == true ]]; then
     SELFTEST="timed out (see $OUT/logs/selftest.stderr)"
 elif [[ $KILLED == true ]]; then
     SELFTEST="killed, likely out of memory (see $OUT/logs/selftest.stderr)"
 fi
-if [[ $RC -ne 0 && $TIMED_OUT == false && $KILLED == false && $UPLOAD_COPY != 0 ]]; then
-    run_step selftest-no-copy "$SELFTEST_S" env LT_UPLOAD_COPY=0 "$LT" selftest --device "$DEVICE" \
-        --fixtures "$FIXTURES" --json
+if [[ $RC -ne 0 && $TIMED_OUT == false && $KILLED == false && $PIN_COPY != 0 ]]; then
+    # shellcheck disable=SC2086
+    run_step selftest-no-pin "$SELFTEST_S" env LT_PIN_COPY=0 "$LT" selftest --device "$DEVICE" \
+        --fixtures "$FIXTURES" $SELFTEST_ARGS --json
     if [[ $RC -eq 0 ]]; then
-        export LT_UPLOAD_COPY=0
+        export LT_PIN_COPY=0
+        PIN_COPY=0
+        SELFTEST="failed with page-locked upload copies, passed without (see $OUT/logs/selftest*.stderr)"
+    fi
+fi
+if [[ $RC -ne 0 && $TIMED_OUT == false && $KILLED == false && $UPLOAD_COPY != 0 ]]; then
+    # shellcheck disable=SC2086
+    run_step selftest-no-copy "$SELFTEST_S" env LT_PIN_COPY=0 LT_UPLOAD_COPY=0 "$LT" selftest \
+        --device "$DEVICE" --fixtures "$FIXTURES" $SELFTEST_ARGS --json
+    if [[ $RC -eq 0 ]]; then
+        export LT_PIN_COPY=0 LT_UPLOAD_COPY=0
+        PIN_COPY=0
         UPLOAD_COPY=0
         SELFTEST="failed with the optimizer's upload copy, passed without (see $OUT/logs/selftest*.stderr)"
     fi
 fi
 
-# 2. Measure the machine.
-PROFILE="$OUT/$DEVICE-measured.toml"
-run_step profile "$PROFILE_S" "$LT" profile --device "$DEVICE" --out "$PROFILE" --json
-if [[ $RC -eq 0 && -s $PROFILE ]]; then HARDWARE=$PROFILE; else HARDWARE=$HW; fi
-
-# 3. One streamed training benchmark, both policies in this run.
+# 3. One streamed training benchmark, both policies in this run; the first compiles and autotunes
+# the 7B's kernels (the cache makes the second cheap).
 for POLICY in auto megatrain; do
-    run_step "bench-$POLICY" "$BENCH_S" "$LT" bench train --model-config "$MODEL" --batch-size "$BATCH" \
+    if [[ $POLICY == auto ]]; then LIMIT=$BENCH_S; else LIMIT=$BENCH2_S; fi
+    run_step "bench-$POLICY" "$LIMIT" "$LT" bench train --model-config "$MODEL" --batch-size "$BATCH" \
         --seq-len "$SEQ" --policy "$POLICY" --steps "$STEPS" --warmup "$WARMUP" --device "$DEVICE" \
         --hardware "$HARDWARE" --json
     declare "BENCH_${POLICY}=$LAST"
@@ -245,6 +286,10 @@ done
 run_step "hybrid-pair" "$PAIR_S" "$LT" bench train --model-config "$PAIR_MODEL" --batch-size 1 \
     --seq-len "$PAIR_SEQ" --policy keep-all --steps 1 --warmup 1 --device "$DEVICE" --hardware "$HARDWARE" --json
 PAIR=$LAST
+
+# 5. The layer fit for the cost model, if time is left (written to its own profile).
+run_step profile-layer "$LAYER_S" "$LT" profile --device "$DEVICE" --out "$OUT/$DEVICE-measured-layer.toml" \
+    --skip transfers,disk,optimizer --json
 
 # 4. Summary.
 TF_AUTO=$(json_num "${BENCH_auto:-}" tflops_6pt)
@@ -284,4 +329,6 @@ echo "  $MODEL_NAME batch $BATCH x seq $SEQ: auto ${TF_AUTO:-?} TFLOPS (${STEP_A
 echo "  auto/megatrain TFLOPS ratio: ${RATIO:-n/a}"
 echo "  device reserved (auto): after step 2 ${RESERVED2_AUTO:-?} B, after the last ${RESERVED_LAST_AUTO:-?} B; peak RSS ${RSS_AUTO:-?} B"
 echo "  hybrid pair (27B-sized, batch 1 x seq $PAIR_SEQ): ${PAIR_STEP:-?} s/step"
+# PACK_LOGS=1: the per-step logs as one $OUT/logs.tgz (for transports that bring back few files).
+if [[ ${PACK_LOGS:-0} == 1 ]] && tar czf "$OUT/logs.tgz" -C "$OUT" logs; then rm -rf "$OUT/logs"; fi
 [[ $FAILED -eq 0 ]]
