@@ -76,7 +76,7 @@ pub fn layer_times<B: AutodiffBackend>(
         drop(lg);
         // Where no terminal shows a bar: every round, so that the warm-up's kernel compilation and
         // autotuning on a fresh GPU are visible next to the rounds that follow.
-        if !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        if crate::progress::as_lines() {
             let phase = if round < warmup { "warm-up" } else { "timed" };
             eprintln!("  layer {kind:?}, round {} ({phase}): forward {:.3} s, backward {:.3} s", round + 1, tf, tb);
         }

@@ -78,7 +78,8 @@ pub struct Pinner {
 static PINNER: OnceLock<Pinner> = OnceLock::new();
 
 /// Installs the backend's [`Pinner`]: from then on [`CopyBuf::pin`] page-locks upload copies. Only
-/// the first call counts.
+/// the first call counts. The device set-up installs it only when [`pin_copies`] is on, so that is
+/// the one place the switch is read.
 pub fn set_pinner(p: Pinner) {
     let _ = PINNER.set(p);
 }
@@ -117,8 +118,7 @@ pub enum PinState {
     Unpinned,
     /// Registered: uploads DMA straight from it.
     Pinned,
-    /// Not eligible (smaller than [`PIN_MIN_BYTES`], or switched off) or refused by the driver: not
-    /// tried again.
+    /// Not eligible (smaller than [`PIN_MIN_BYTES`]) or refused by the driver: not tried again.
     Pageable,
 }
 
@@ -138,9 +138,9 @@ impl CopyBuf {
         &mut self.data
     }
 
-    /// Page-locks the buffer with the installed [`Pinner`] if it is large enough, pinning is on
-    /// ([`pin_copies`]) and it was not tried before; returns the state after. Without a pinner (CPU,
-    /// wgpu, or before the CUDA device exists) it stays [`PinState::Unpinned`], to be tried again.
+    /// Page-locks the buffer with the installed [`Pinner`] if it is large enough and was not tried
+    /// before; returns the state after. Without a pinner (CPU, wgpu, `LT_PIN_COPY=0`, or before the
+    /// CUDA device exists) it stays [`PinState::Unpinned`], to be tried again.
     pub fn pin(&self) -> PinState {
         let mut st = self.pin.lock().unwrap_or_else(|e| e.into_inner());
         if *st != PinState::Unpinned {
@@ -148,7 +148,7 @@ impl CopyBuf {
         }
         let Some(p) = PINNER.get() else { return *st };
         let bytes = std::mem::size_of_val(self.data.as_slice());
-        *st = if bytes < PIN_MIN_BYTES || !pin_copies() {
+        *st = if bytes < PIN_MIN_BYTES {
             PinState::Pageable
         } else if (p.register)(self.data.as_ptr().cast_mut().cast(), bytes) {
             PinState::Pinned

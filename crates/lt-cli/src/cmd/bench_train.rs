@@ -407,7 +407,7 @@ fn bench_on<B: AutodiffBackend>(
     let t_init = Instant::now();
     let host = HostModel::random_init(cfg.clone(), s.seed);
     let init_seconds = t_init.elapsed().as_secs_f64();
-    if !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+    if crate::progress::as_lines() {
         eprintln!("random weights: {init_seconds:.1} s");
     }
     let opts = TrainOptions {
@@ -471,7 +471,7 @@ fn timed_steps<B: AutodiffBackend>(
         // A line per step where the bar is hidden (JSON mode too: the report is stdout's last line),
         // so that a run stopped by a timeout still says how far it got: the first step on a fresh
         // GPU compiles every kernel.
-        if !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        if crate::progress::as_lines() {
             eprintln!("step {} ({phase}): loss {:.4}, {:.3} s", step.step, step.loss, step.step_seconds);
         }
         if k >= args.warmup {

@@ -106,6 +106,15 @@ struct Check {
 }
 
 impl Check {
+    /// `ERROR` (it could not be computed), `ok` or `FAIL`.
+    fn verdict(&self) -> &'static str {
+        match (&self.error, self.passed) {
+            (Some(_), _) => "ERROR",
+            (None, true) => "ok",
+            (None, false) => "FAIL",
+        }
+    }
+
     fn new(check: String, backend: &str, metric: &'static str, value: f64, tolerance: f64) -> Self {
         Self {
             check,
@@ -390,9 +399,8 @@ pub fn run(args: &SelftestArgs) -> Result<()> {
         DeviceChoice::Cuda => {
             // One clear line when there is no usable GPU or driver, instead of the same failure per check;
             // the set-up (kernel cache, page-locked upload copies) applies to every check below.
-            lt_run::device::cuda()?;
+            let device = lt_run::device::cuda()?;
             catch_panics(|| {
-                let device = Default::default();
                 let t = burn::tensor::Tensor::<lt_model::CudaBackend, 1>::zeros([1], &device);
                 Ok(t.into_data())
             })
@@ -469,20 +477,16 @@ impl FixtureRun<'_> {
     /// device run under `timeout`), where the progress bar is hidden: the first run on a GPU
     /// compiles every kernel, and a run that is stopped must still say how far it got.
     fn progress(&self, done: &[Check]) {
-        if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        if !crate::progress::as_lines() {
             return;
         }
         for c in done {
-            let result = match (&c.error, c.passed) {
-                (Some(_), _) => "ERROR",
-                (None, true) => "ok",
-                (None, false) => "FAIL",
-            };
             eprintln!(
-                "selftest [{:7.1} s] {} {}: {result} ({:.3e}, tolerance {:.1e})",
+                "selftest [{:7.1} s] {} {}: {} ({:.3e}, tolerance {:.1e})",
                 self.started.elapsed().as_secs_f64(),
                 c.check,
                 c.backend,
+                c.verdict(),
                 c.value,
                 c.tolerance
             );
@@ -571,10 +575,9 @@ fn train_checks(ctx: &FixtureRun<'_>, name: &str, host: &HostModel, train_file: 
 fn render(checks: &[Check], passed: bool, seconds: f64) -> String {
     let mut s = format!("{:<48} {:<10} {:>12} {:>10}  {}\n", "check", "backend", "value", "tolerance", "result");
     for c in checks {
-        let result = match (&c.error, c.passed) {
-            (Some(e), _) => format!("ERROR {e}"),
-            (None, true) => "ok".into(),
-            (None, false) => "FAIL".into(),
+        let result = match &c.error {
+            Some(e) => format!("{} {e}", c.verdict()),
+            None => c.verdict().to_string(),
         };
         s += &format!("{:<48} {:<10} {:>12.3e} {:>10.1e}  {result}\n", c.check, c.backend, c.value, c.tolerance);
     }

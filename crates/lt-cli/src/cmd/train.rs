@@ -59,7 +59,7 @@ impl Observer for Console {
                     pb.set_position(m.step);
                     pb.set_message(format!("train loss {:.4} | {tokens_per_second:.0} tok/s", m.loss));
                 }
-                if !std::io::IsTerminal::is_terminal(&std::io::stderr()) && (m.step % 50 == 0 || m.step == 1) {
+                if crate::progress::as_lines() && (m.step % 50 == 0 || m.step == 1) {
                     eprintln!(
                         "step {} loss {:.4} grad_norm {:.3} lr {:.2e} {:.3} s/step",
                         m.step, m.loss, m.grad_norm, m.lr, m.step_seconds
