@@ -76,6 +76,14 @@ impl HostGrads {
         }
     }
 
+    /// Bytes of every gradient buffer (fp32).
+    pub fn bytes(&self) -> u64 {
+        let h = lock(&self.head);
+        let head = h.embed_tokens.len() + h.norm.len() + h.lm_head.as_ref().map_or(0, Vec::len);
+        let layers: usize = self.layers.iter().map(|l| lock(l).iter().map(Vec::len).sum::<usize>()).sum();
+        (4 * (head + layers)) as u64
+    }
+
     /// Zero layer `i`'s gradients.
     pub fn zero_layer(&self, i: usize) {
         for p in lock(&self.layers[i]).iter_mut() {

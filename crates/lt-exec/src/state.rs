@@ -149,6 +149,31 @@ impl SharedModel {
         self.copy_clones.load(Ordering::Relaxed)
     }
 
+    /// Bytes of the fp32 masters (every tensor's values).
+    pub fn master_bytes(&self) -> u64 {
+        let head = self.head.read().unwrap_or_else(|e| e.into_inner());
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| l.read().unwrap_or_else(|e| e.into_inner()).tensors.iter().map(|t| t.data.len()).sum::<usize>())
+            .sum();
+        (4 * (head.tensors().map(|t| t.data.len()).sum::<usize>() + layers)) as u64
+    }
+
+    /// Bytes of the bf16 upload copies held now (0 before [`fill_upload_copies`](Self::fill_upload_copies)
+    /// and on f32 devices).
+    pub fn upload_copy_bytes(&self) -> u64 {
+        let held: usize = self
+            .copies
+            .iter()
+            .map(|c| {
+                let c = c.lock().unwrap_or_else(|e| e.into_inner());
+                c.iter().flatten().flatten().map(|b| b.as_slice().len()).sum::<usize>()
+            })
+            .sum();
+        (2 * held) as u64
+    }
+
     pub(crate) fn count_copy_clone(&self) {
         self.copy_clones.fetch_add(1, Ordering::Relaxed);
     }

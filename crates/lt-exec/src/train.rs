@@ -94,6 +94,26 @@ pub struct StepMetrics {
     pub timing: StepTiming,
 }
 
+/// Host bytes a [`Trainer`] keeps for the parameters for the whole run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct HostBytes {
+    /// fp32 master weights.
+    pub masters: u64,
+    /// fp32 gradients (the accumulator over micro-batches).
+    pub grads: u64,
+    /// AdamW's moments: fp32, or 8-bit codes with their absmax values.
+    pub optimizer_state: u64,
+    /// bf16 upload copies (bf16 devices only).
+    pub upload_copies: u64,
+}
+
+impl HostBytes {
+    /// All of them.
+    pub fn total(&self) -> u64 {
+        self.masters + self.grads + self.optimizer_state + self.upload_copies
+    }
+}
+
 /// A trainer over a shared host model.
 pub struct Trainer<B: AutodiffBackend> {
     /// fp32 masters.
@@ -163,6 +183,17 @@ impl<B: AutodiffBackend> Trainer<B> {
             completed,
             pending: None,
         })
+    }
+
+    /// The host bytes this trainer keeps for the parameters, by kind: what lt-sched's
+    /// `host_param_bytes` predicts (a test holds the two together).
+    pub fn host_bytes(&self) -> HostBytes {
+        HostBytes {
+            masters: self.model.master_bytes(),
+            grads: self.grads.bytes(),
+            optimizer_state: self.optimizer().state_bytes() as u64,
+            upload_copies: self.model.upload_copy_bytes(),
+        }
     }
 
     /// Completed steps.

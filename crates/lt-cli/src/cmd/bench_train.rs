@@ -30,7 +30,7 @@ use lt_exec::state::SharedModel;
 use lt_exec::train::{LrSchedule, StepMetrics, TrainOptions, Trainer};
 use lt_model::host::HostModel;
 use lt_model::model::Batch;
-use lt_optim::{OptimizerKind, Quant8Config};
+use lt_optim::OptimizerKind;
 use lt_sched::cost::{AttentionKernel, CostOptions, ExecConfig, Instance};
 
 use lt_run::{ChosenPlan, DeviceChoice, OptimizerChoice, Policy, RunConfig, RunSettings, choose_plan, executor_for};
@@ -157,42 +157,21 @@ fn settings(args: &BenchTrainArgs) -> Result<RunSettings> {
     RunSettings::resolve(&file)
 }
 
-/// Bytes of optimizer state `kind` allocates for a tensor of `n` elements (see lt-optim's
-/// `TensorState::state_bytes`).
-fn state_bytes(kind: OptimizerChoice, n: usize) -> u64 {
-    let q = Quant8Config::default();
-    let n = n as u64;
-    match kind {
-        OptimizerChoice::Adamw8bit if n >= q.min_8bit_numel as u64 => 2 * n + 8 * n.div_ceil(q.block_size as u64),
-        _ => 8 * n,
-    }
-}
-
-/// Host bytes the trainer allocates for `cfg`: fp32 masters (4 B/param), fp32 gradients (4),
-/// optimizer state (about 2.03 B/param for adamw8bit — 8-bit codes for `m` and `v` plus one f32
-/// absmax each per 256-element block, fp32 state below 4096 elements — and 8 for adamw), plus the
-/// activations the plan keeps in host memory for one micro-batch (`act_elem_bytes` each). Transient
-/// per-layer buffers of the streams (a few layers' worth) are not counted.
+/// Host bytes the run needs for `cfg`: what the trainer keeps for the parameters
+/// ([`lt_sched::cost::host_param_bytes`]: fp32 masters, fp32 gradients, the optimizer's moments,
+/// and on a bf16 device the bf16 upload copies; `dtype_bytes` is the device's element size), plus
+/// the activations the plan keeps in host memory for one micro-batch (in the device dtype).
+/// Transient per-layer buffers of the streams (a few layers' worth) are not counted.
 pub(crate) fn host_bytes_needed(
     cfg: &ModelConfig,
     optimizer: OptimizerChoice,
     host_boundaries: usize,
     micro: usize,
     seq: usize,
-    act_elem_bytes: usize,
+    dtype_bytes: usize,
 ) -> u64 {
-    let params = cfg.total_params() as u64;
-    let mut state = 0u64;
-    for p in cfg.outer_params() {
-        state += state_bytes(optimizer, p.numel());
-    }
-    for i in 0..cfg.num_layers() {
-        for p in cfg.layer_params(i) {
-            state += state_bytes(optimizer, p.numel());
-        }
-    }
-    let acts = (host_boundaries * micro * seq * cfg.hidden_size * act_elem_bytes) as u64;
-    8 * params + state + acts
+    let acts = (host_boundaries * micro * seq * cfg.hidden_size * dtype_bytes) as u64;
+    lt_sched::cost::host_param_bytes(cfg, dtype_bytes, optimizer.state()) + acts
 }
 
 /// What one benchmark run measured.
@@ -247,10 +226,17 @@ fn human_summary(r: &Report) -> String {
         g("optimizer")
     );
     out += &format!(
-        "  peak device {} ({}), peak host {} (VmHWM), losses {}\n",
+        "  peak device {} ({}), peak host {} (VmHWM; host tier predicted {}, of which the trainer's buffers {}), losses {}\n",
         ByteSize(f("peak_device_bytes").max(0.0) as u64),
         s("peak_device_source"),
         ByteSize(f("peak_host_bytes").max(0.0) as u64),
+        ByteSize(f("host_estimate_bytes").max(0.0) as u64),
+        ByteSize(
+            ["masters", "grads", "optimizer_state", "upload_copies"]
+                .iter()
+                .filter_map(|k| j["host_trainer_bytes"][k].as_u64())
+                .sum::<u64>()
+        ),
         j["losses"]
     );
     out
@@ -273,21 +259,23 @@ fn bench(args: &BenchTrainArgs) -> Result<Report, Failure> {
 
     // Host memory first: the masters alone of a large model can exhaust the machine.
     let host_boundaries = chosen.plan.boundaries.iter().filter(|p| **p == Placement::Host).count();
-    // Host-tier boundaries are kept in the device dtype: bf16 on CUDA, f32 on the CPU and wgpu backends.
-    let act_elem_bytes = match args.device {
+    // Uploads and host-tier boundaries are in the device dtype: bf16 on CUDA (which adds the
+    // optimizer-written upload copies), f32 on the CPU and wgpu backends.
+    let dtype_bytes = match args.device {
         DeviceChoice::Cuda => 2,
         DeviceChoice::Cpu | DeviceChoice::Wgpu => 4,
     };
-    let need = host_bytes_needed(&cfg, s.optimizer, host_boundaries, micro, s.seq_len, act_elem_bytes);
+    let need = host_bytes_needed(&cfg, s.optimizer, host_boundaries, micro, s.seq_len, dtype_bytes);
     match mem_available() {
         Some(avail) if need > avail => {
             return Err(Failure::new(
                 FailKind::HostMemory,
                 format!(
-                    "host memory: this run needs about {} (fp32 masters, fp32 gradients, {} state, host-tier \
+                    "host memory: this run needs about {} (fp32 masters, fp32 gradients, {} state{}, host-tier \
 activations) but only {} is available (MemAvailable)",
                     ByteSize(need),
                     s.optimizer.name(),
+                    if dtype_bytes < 4 { ", bf16 upload copies" } else { "" },
                     ByteSize(avail)
                 ),
             ));
@@ -379,6 +367,8 @@ struct Measured {
     sampled_peak: Option<u64>,
     /// Seconds to initialise the random weights.
     init_seconds: f64,
+    /// What the trainer keeps for the parameters (allocated, by kind).
+    host_bytes: lt_exec::train::HostBytes,
 }
 
 fn bench_on<B: AutodiffBackend>(
@@ -454,6 +444,7 @@ fn timed_steps<B: AutodiffBackend>(
         rss: Vec::new(),
         sampled_peak: None,
         init_seconds: 0.0,
+        host_bytes: trainer.host_bytes(),
     };
     for k in 0..total {
         let rows: Vec<Vec<u32>> =
@@ -610,6 +601,8 @@ fn figures(
         "device_reserved_bytes_last": m.reserved.last().copied().flatten(),
         "device_reserved_source": "cubecl memory_usage().bytes_reserved summed over the executor's streams (null on the CPU backend)",
         "host_estimate_bytes": host_need,
+        "host_estimate_source": "predicted: lt-sched host_param_bytes plus host-tier activations",
+        "host_trainer_bytes": m.host_bytes,
         "exposed_seconds": exposed,
         "predicted_step_seconds": predicted,
         "predicted_source": predicted_source,
@@ -626,7 +619,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn host_estimate_counts_masters_grads_and_8bit_state() {
+    fn host_estimate_counts_masters_grads_state_copies_and_host_activations() {
         let json = r#"{"model_type":"qwen3","vocab_size":1000,"hidden_size":64,"intermediate_size":128,
           "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":16,
           "rms_norm_eps":1e-6,"rope_theta":1e6,"tie_word_embeddings":true}"#;
@@ -634,10 +627,12 @@ mod tests {
         let p = cfg.total_params() as u64;
         let eight = host_bytes_needed(&cfg, OptimizerChoice::Adamw8bit, 0, 1, 8, 4);
         let fp32 = host_bytes_needed(&cfg, OptimizerChoice::Adamw, 0, 1, 8, 4);
-        assert_eq!(fp32, 16 * p, "4 master + 4 grad + 8 state");
+        assert_eq!(fp32, 16 * p, "4 master + 4 grad + 8 state, no copy on an f32 device");
         assert!(eight < fp32 && eight > 8 * p, "{eight} vs {p} params");
+        // A bf16 device adds the upload copy of every tensor (tied: the embedding is uploaded).
+        assert_eq!(host_bytes_needed(&cfg, OptimizerChoice::Adamw, 0, 1, 8, 2), 18 * p);
         assert_eq!(host_bytes_needed(&cfg, OptimizerChoice::Adamw, 2, 1, 8, 4), 16 * p + 2 * 8 * 64 * 4);
-        assert_eq!(host_bytes_needed(&cfg, OptimizerChoice::Adamw, 2, 1, 8, 2), 16 * p + 2 * 8 * 64 * 2);
+        assert_eq!(host_bytes_needed(&cfg, OptimizerChoice::Adamw, 2, 1, 8, 2), 18 * p + 2 * 8 * 64 * 2);
     }
 
     #[test]
