@@ -78,3 +78,35 @@ fn lt_plan_feasible_iff_lt_train_runs() {
         }
     }
 }
+
+/// `lt plan` says what the host memory for the parameters is made of (the trainer's buffers,
+/// `lt_sched::cost::host_param_bytes`), in its text and its JSON, and the predicted host peak covers
+/// it: on the CPU profile (f32 device) there are no upload copies, on the H200's (bf16) there are.
+#[test]
+fn lt_plan_breaks_down_the_host_memory_of_the_parameters() {
+    for (hw, copies) in [("cpu", false), ("h200", true)] {
+        let run = |json: bool| {
+            let mut c = lt();
+            c.args(["plan", "--model-config"]).arg(fixtures().join("models/qwen3-tied-mqa")).args(SHAPE);
+            c.args(["--hardware", hw, "--optimizer", "adamw8bit"]);
+            if json {
+                c.arg("--json");
+            }
+            c.output().unwrap()
+        };
+        let text = run(false);
+        assert!(text.status.success(), "{}", String::from_utf8_lossy(&text.stderr));
+        let text = String::from_utf8_lossy(&text.stdout);
+        assert!(text.lines().any(|l| l.starts_with("host memory for the parameters (predicted")), "{text}");
+        let out = run(true);
+        let line = String::from_utf8_lossy(&out.stdout).lines().last().unwrap().to_string();
+        let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+        let b = &v["host_param_bytes"];
+        let get = |k: &str| b[k].as_u64().unwrap();
+        assert_eq!(get("masters"), get("grads"), "{b}");
+        assert!(get("optimizer_state") > 0 && get("optimizer_state") <= 2 * get("masters"), "{b}");
+        assert_eq!(get("upload_copies") > 0, copies, "{hw}: {b}");
+        let total = get("masters") + get("grads") + get("optimizer_state") + get("upload_copies");
+        assert!(v["peak_host_bytes"].as_u64().unwrap() >= total, "{hw}: {v}");
+    }
+}

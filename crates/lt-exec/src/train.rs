@@ -23,6 +23,7 @@ use crate::executor::Executor;
 use crate::grads::HostGrads;
 use crate::state::{HEAD, SharedModel, layer_slot};
 use crate::trace::{StepTiming, Stream, Trace};
+pub use lt_sched::cost::HostBytes;
 
 /// Learning-rate schedule after warmup.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
@@ -92,26 +93,6 @@ pub struct StepMetrics {
     pub peak_device_bytes: u64,
     /// Measured per-stream timing (busy, exposed).
     pub timing: StepTiming,
-}
-
-/// Host bytes a [`Trainer`] keeps for the parameters for the whole run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-pub struct HostBytes {
-    /// fp32 master weights.
-    pub masters: u64,
-    /// fp32 gradients (the accumulator over micro-batches).
-    pub grads: u64,
-    /// AdamW's moments: fp32, or 8-bit codes with their absmax values.
-    pub optimizer_state: u64,
-    /// bf16 upload copies (bf16 devices only).
-    pub upload_copies: u64,
-}
-
-impl HostBytes {
-    /// All of them.
-    pub fn total(&self) -> u64 {
-        self.masters + self.grads + self.optimizer_state + self.upload_copies
-    }
 }
 
 /// A trainer over a shared host model.

@@ -1,8 +1,9 @@
 //! The planner's host memory model is the trainer's allocation, byte for byte: for tied and untied,
 //! dense and hybrid fixtures, both optimizers, bf16 uploads (with the optimizer-written copy, as on
 //! CUDA) and f32 uploads (CPU, wgpu), with and without gradient accumulation, what
-//! `Trainer::host_bytes` counts after real steps equals `lt_sched::cost::host_param_bytes`, which
-//! `Instance::from_model` puts in the planner's static host memory.
+//! `Trainer::host_bytes` counts after real steps equals, kind by kind,
+//! `lt_sched::cost::host_param_bytes`, which `Instance::from_model` puts in the planner's static
+//! host memory.
 //!
 //! (Before session 24 the model counted a bf16 gradient landing buffer the executor never had and an
 //! accumulator on top of it, while the executor keeps one fp32 gradient per parameter whatever the
@@ -83,7 +84,7 @@ fn the_planner_counts_exactly_the_host_bytes_the_trainer_keeps() {
                     assert_eq!(got.masters, 4 * params, "{case}");
                     assert_eq!(got.grads, 4 * params, "{case}");
                     assert_eq!(got.upload_copies > 0, d == 2, "{case}");
-                    assert_eq!(got.total(), host_param_bytes(&cfg, d, state), "{case}");
+                    assert_eq!(got, host_param_bytes(&cfg, d, state), "{case}");
                     eight_bit_seen |= got.optimizer_state < 4 * params;
                 }
             }

@@ -87,29 +87,53 @@ impl OptimizerState {
     }
 }
 
+/// Host bytes kept for the parameters for a whole run, by kind: predicted by [`host_param_bytes`],
+/// allocated by lt-exec's `Trainer` (its `host_bytes`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostBytes {
+    /// fp32 master weights.
+    pub masters: u64,
+    /// fp32 gradients (also the accumulator over micro-batches).
+    pub grads: u64,
+    /// AdamW's moments: fp32, or 8-bit codes with their absmax values.
+    pub optimizer_state: u64,
+    /// Upload copies in the device dtype (devices narrower than f32 only).
+    pub upload_copies: u64,
+}
+
+impl HostBytes {
+    /// All of them.
+    pub fn total(&self) -> u64 {
+        self.masters + self.grads + self.optimizer_state + self.upload_copies
+    }
+}
+
 /// Host bytes the trainer keeps for the parameters of `model` for a whole run, exactly as lt-exec's
-/// `Trainer` allocates them (its `host_bytes`; a test there holds the two together): per tensor the
-/// fp32 master (4 B/param), the fp32 gradient (4 B/param: each micro-batch's downloaded gradients
-/// are accumulated into it, so accumulation adds nothing), AdamW's moments ([`OptimizerState::
+/// `Trainer` allocates them (a test there holds the two together): per tensor the fp32 master
+/// (4 B/param), the fp32 gradient (4 B/param: each micro-batch's downloaded gradients are
+/// accumulated into it, so accumulation adds nothing), AdamW's moments ([`OptimizerState::
 /// tensor_bytes`]) and, on a device whose compute dtype is narrower than f32, the upload copy the
 /// optimizer writes (`compute_dtype_bytes` per param) of every tensor that is uploaded: all but an
 /// untied model's embedding, whose rows are gathered on the host.
-pub fn host_param_bytes(model: &ModelConfig, compute_dtype_bytes: usize, optimizer: OptimizerState) -> u64 {
+pub fn host_param_bytes(model: &ModelConfig, compute_dtype_bytes: usize, optimizer: OptimizerState) -> HostBytes {
     let d = compute_dtype_bytes as u64;
-    let copy = |numel: u64| if d < HOST_MASTER_BYTES_PER_PARAM as u64 { d * numel } else { 0 };
-    let tensor = |numel: u64, uploaded: bool| {
-        (HOST_MASTER_BYTES_PER_PARAM + HOST_GRAD_BYTES_PER_PARAM) as u64 * numel
-            + optimizer.tensor_bytes(numel)
-            + if uploaded { copy(numel) } else { 0 }
+    let copies = d < HOST_MASTER_BYTES_PER_PARAM as u64;
+    let mut b = HostBytes::default();
+    let mut add = |numel: u64, uploaded: bool| {
+        b.masters += HOST_MASTER_BYTES_PER_PARAM as u64 * numel;
+        b.grads += HOST_GRAD_BYTES_PER_PARAM as u64 * numel;
+        b.optimizer_state += optimizer.tensor_bytes(numel);
+        if uploaded && copies {
+            b.upload_copies += d * numel;
+        }
     };
-    let outer: u64 = model
-        .outer_params()
-        .iter()
-        .map(|p| tensor(p.numel() as u64, p.name != "embed_tokens.weight" || model.tie_word_embeddings))
-        .sum();
-    let layers: u64 =
-        (0..model.num_layers()).flat_map(|i| model.layer_params(i)).map(|p| tensor(p.numel() as u64, true)).sum();
-    outer + layers
+    for p in model.outer_params() {
+        add(p.numel() as u64, p.name != "embed_tokens.weight" || model.tie_word_embeddings);
+    }
+    for p in (0..model.num_layers()).flat_map(|i| model.layer_params(i)) {
+        add(p.numel() as u64, true);
+    }
+    b
 }
 
 /// Modelling options that are not properties of the machine.
@@ -331,7 +355,7 @@ impl Instance {
         // The parameters' buffers, plus four boundary-sized pinned buffers: two NVMe staging buffers,
         // boundary 0 after the host-side embedding gather, and the landing buffer of dx_0.
         let host_static =
-            host_param_bytes(model, hw.compute_dtype_bytes as usize, opts.optimizer) as f64 + 4.0 * a_bytes;
+            host_param_bytes(model, hw.compute_dtype_bytes as usize, opts.optimizer).total() as f64 + 4.0 * a_bytes;
         let embed_params = head_params as f64;
         let norm_params = h;
         let (opt_embed, opt_head) = if model.tie_word_embeddings {

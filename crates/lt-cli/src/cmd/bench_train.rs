@@ -171,7 +171,7 @@ pub(crate) fn host_bytes_needed(
     dtype_bytes: usize,
 ) -> u64 {
     let acts = (host_boundaries * micro * seq * cfg.hidden_size * dtype_bytes) as u64;
-    lt_sched::cost::host_param_bytes(cfg, dtype_bytes, optimizer.state()) + acts
+    lt_sched::cost::host_param_bytes(cfg, dtype_bytes, optimizer.state()).total() + acts
 }
 
 /// What one benchmark run measured.

@@ -172,6 +172,11 @@ pub fn run(args: &PlanArgs) -> Result<()> {
 
 const GIB: f64 = (1u64 << 30) as f64;
 
+/// What the trainer keeps in host memory for the parameters on this profile's device dtype.
+fn param_host_bytes(s: &Setup) -> lt_sched::cost::HostBytes {
+    lt_sched::cost::host_param_bytes(&s.model, s.hw.compute_dtype_bytes as usize, s.req.cost.optimizer)
+}
+
 fn tier_name(p: Placement) -> &'static str {
     match p {
         Placement::Gpu => "gpu",
@@ -203,6 +208,16 @@ fn print_text(
     print_layers(o);
     println!();
     print_comparison(&o.plan, baselines);
+    let b = param_host_bytes(s);
+    println!(
+        "host memory for the parameters (predicted, any plan): {:.2} GiB = fp32 masters {:.2} + fp32 gradients {:.2} \
++ optimizer state {:.2} + upload copies {:.2}; boundaries kept in host memory and staging buffers come on top",
+        b.total() as f64 / GIB,
+        b.masters as f64 / GIB,
+        b.grads as f64 / GIB,
+        b.optimizer_state as f64 / GIB,
+        b.upload_copies as f64 / GIB
+    );
     if let Some((ours, theirs)) = max_batch {
         let show = |b: Option<usize>| b.map_or("none fits".to_string(), |b| b.to_string());
         println!();
@@ -394,6 +409,7 @@ fn summary_json(
         "baseline_tflops": mt.map(|q| q.predicted.tflops),
         "peak_gpu_bytes": pr.peak_gpu_bytes,
         "peak_host_bytes": pr.peak_host_bytes,
+        "host_param_bytes": param_host_bytes(s),
         "peak_nvme_bytes": pr.peak_nvme_bytes,
         "exposed_seconds": pr.exposed_seconds,
         "micro_batch_size": p.step.shape.micro_batch_size,
