@@ -32,8 +32,9 @@
 # A failed step is recorded and the next one runs. Needs bash and coreutils only (no jq, no python).
 # Exit status 124, or 137 at the limit, is a timeout; 137 before the limit is a SIGKILL from outside,
 # most likely the kernel's out-of-memory killer ("killed" in the JSON). If the selftest really fails
-# (not a timeout, not a kill), it is run again with LT_PIN_COPY=0, then also with LT_UPLOAD_COPY=0,
-# and the first that passes is kept for the later steps (settings.pin_copy, settings.upload_copy).
+# (not a timeout, not a kill), it is run again with LT_PIN_COPY=0, then also with LT_UPLOAD_COPY=0
+# and LT_BF16_GRADS=0, and the first that passes is kept for the later steps (settings.pin_copy,
+# settings.upload_copy, settings.bf16_grads).
 # Knobs (environment): OUT, DEVICE (cuda; `wgpu` rehearses the script on any machine with a Vulkan
 # driver, lavapipe included, with a small MODEL), BATCH (8), SEQ (1024), STEPS (6), WARMUP (1),
 # MODEL, PAIR_MODEL, PAIR_SEQ (1024), FIXTURES, SELFTEST_ARGS, PROFILE_SKIP (layer,disk), HW (the
@@ -119,8 +120,8 @@ write_json() {
         printf '  "elapsed_seconds": %d,\n' "$((SECONDS - T0))"
         printf '  "lt": %s,\n' "$(json_str "$LT")"
         printf '  "lt_version": %s,\n' "$(json_str "$LT_VERSION")"
-        printf '  "settings": {"device": %s, "batch_size": %d, "seq_len": %d, "steps": %d, "warmup": %d, "model_config": %s, "pair_model_config": %s, "budget_seconds": %d, "upload_copy": %s, "pin_copy": %s, "pinned_uploads": %s},\n' \
-            "$(json_str "$DEVICE")" "$BATCH" "$SEQ" "$STEPS" "$WARMUP" "$(json_str "$MODEL")" "$(json_str "$PAIR_MODEL")" "$BUDGET_S" "$(json_str "${UPLOAD_COPY:-on}")" "$(json_str "${PIN_COPY:-on}")" "$(json_str "${LT_PINNED_UPLOADS:-off}")"
+        printf '  "settings": {"device": %s, "batch_size": %d, "seq_len": %d, "steps": %d, "warmup": %d, "model_config": %s, "pair_model_config": %s, "budget_seconds": %d, "upload_copy": %s, "pin_copy": %s, "bf16_grads": %s, "pinned_uploads": %s},\n' \
+            "$(json_str "$DEVICE")" "$BATCH" "$SEQ" "$STEPS" "$WARMUP" "$(json_str "$MODEL")" "$(json_str "$PAIR_MODEL")" "$BUDGET_S" "$(json_str "${UPLOAD_COPY:-on}")" "$(json_str "${PIN_COPY:-on}")" "$(json_str "${BF16_GRADS:-on}")" "$(json_str "${LT_PINNED_UPLOADS:-off}")"
         printf '  "host": {"nproc": %s, "mem_total_kib": %s, "kernel": %s},\n' \
             "$(nproc 2>/dev/null || echo null)" "${MEM_KIB:-null}" "$(json_str "$(uname -r)")"
         printf '  "cuda_runtime": %s,\n' "$(json_str "$CUDA_NOTE")"
@@ -241,10 +242,13 @@ fi
 # with the patched cubecl-runtime, no host copy) have not passed on a GPU yet: if the selftest
 # really failed (a check failed or it errored; not a timeout, not a kill, which they would not
 # explain), try it with LT_PIN_COPY=0 (pageable copies), then also with LT_UPLOAD_COPY=0 (convert
-# the masters at each upload, as before); the first that passes is kept for the remaining steps,
-# so that such a problem cannot cost the benchmark figures (the JSON says which way they ran).
+# the masters at each upload, as before) and LT_BF16_GRADS=0 (fp32 gradient buffers, as before:
+# bf16 gradients kept as downloaded have not run on a GPU either); the first that passes is kept
+# for the remaining steps, so that such a problem cannot cost the benchmark figures (the JSON says
+# which way they ran).
 UPLOAD_COPY=${LT_UPLOAD_COPY:-on}
 PIN_COPY=${LT_PIN_COPY:-on}
+BF16_GRADS=${LT_BF16_GRADS:-on}
 if [[ $TIMED_OUT == true ]]; then
     SELFTEST="timed out (see $OUT/logs/selftest.stderr)"
 elif [[ $KILLED == true ]]; then
@@ -262,13 +266,14 @@ if [[ $RC -ne 0 && $TIMED_OUT == false && $KILLED == false && $PIN_COPY != 0 ]];
 fi
 if [[ $RC -ne 0 && $TIMED_OUT == false && $KILLED == false && $UPLOAD_COPY != 0 ]]; then
     # shellcheck disable=SC2086
-    run_step selftest-no-copy "$SELFTEST_S" env LT_PIN_COPY=0 LT_UPLOAD_COPY=0 "$LT" selftest \
+    run_step selftest-no-copy "$SELFTEST_S" env LT_PIN_COPY=0 LT_UPLOAD_COPY=0 LT_BF16_GRADS=0 "$LT" selftest \
         --device "$DEVICE" --fixtures "$FIXTURES" $SELFTEST_ARGS --json
     if [[ $RC -eq 0 ]]; then
-        export LT_PIN_COPY=0 LT_UPLOAD_COPY=0
+        export LT_PIN_COPY=0 LT_UPLOAD_COPY=0 LT_BF16_GRADS=0
         PIN_COPY=0
         UPLOAD_COPY=0
-        SELFTEST="failed with the optimizer's upload copy, passed without (see $OUT/logs/selftest*.stderr)"
+        BF16_GRADS=0
+        SELFTEST="failed with the optimizer's upload copy and bf16 gradients, passed without both (see $OUT/logs/selftest*.stderr)"
     fi
 fi
 

@@ -81,7 +81,8 @@ fn lt_plan_feasible_iff_lt_train_runs() {
 
 /// `lt plan` says what the host memory for the parameters is made of (the trainer's buffers,
 /// `lt_sched::cost::host_param_bytes`), in its text and its JSON, and the predicted host peak covers
-/// it: on the CPU profile (f32 device) there are no upload copies, on the H200's (bf16) there are.
+/// it: on the CPU profile (f32 device) there are no upload copies and the gradients are fp32, on the
+/// H200's (bf16) there are copies and the layers' gradients are bf16.
 #[test]
 fn lt_plan_breaks_down_the_host_memory_of_the_parameters() {
     for (hw, copies) in [("cpu", false), ("h200", true)] {
@@ -97,13 +98,18 @@ fn lt_plan_breaks_down_the_host_memory_of_the_parameters() {
         let text = run(false);
         assert!(text.status.success(), "{}", String::from_utf8_lossy(&text.stderr));
         let text = String::from_utf8_lossy(&text.stdout);
-        assert!(text.lines().any(|l| l.starts_with("host memory for the parameters (predicted")), "{text}");
+        assert!(text.lines().any(|l| l.starts_with("host memory for the parameters (predicted): ")), "{text}");
         let out = run(true);
         let line = String::from_utf8_lossy(&out.stdout).lines().last().unwrap().to_string();
         let v: serde_json::Value = serde_json::from_str(&line).unwrap();
         let b = &v["host_param_bytes"];
         let get = |k: &str| b[k].as_u64().unwrap();
-        assert_eq!(get("masters"), get("grads"), "{b}");
+        // fp32 gradients; on a bf16 device without accumulation the decoder layers' stay bf16.
+        if copies {
+            assert!(get("grads") < get("masters") && 2 * get("grads") > get("masters"), "{b}");
+        } else {
+            assert_eq!(get("masters"), get("grads"), "{b}");
+        }
         assert!(get("optimizer_state") > 0 && get("optimizer_state") <= 2 * get("masters"), "{b}");
         assert_eq!(get("upload_copies") > 0, copies, "{hw}: {b}");
         let total = get("masters") + get("grads") + get("optimizer_state") + get("upload_copies");

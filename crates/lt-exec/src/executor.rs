@@ -323,6 +323,8 @@ pub struct Executor<B: AutodiffBackend> {
     upload_dtype: DType,
     /// Whether bf16 uploads read the optimizer-written copies ([`Self::with_optimizer_copy`]).
     optimizer_copy: bool,
+    /// Whether layer gradients land in bf16 on a bf16 device ([`Self::with_bf16_gradients`]).
+    bf16_grads: bool,
     _b: PhantomData<B>,
 }
 
@@ -370,6 +372,7 @@ impl<B: AutodiffBackend> Executor<B> {
             upload_dtype:
                 <<Inner<B> as burn::tensor::backend::BackendTypes>::FloatElem as burn::tensor::Element>::dtype(),
             optimizer_copy: lt_model::upload::upload_copy(),
+            bf16_grads: lt_model::upload::bf16_grads(),
             _b: PhantomData,
         }
     }
@@ -401,6 +404,20 @@ impl<B: AutodiffBackend> Executor<B> {
     pub fn with_optimizer_copy(mut self, on: bool) -> Self {
         self.optimizer_copy = on;
         self
+    }
+
+    /// Whether, with bf16 uploads, decoder-layer gradients are kept on the host in bf16 as they
+    /// land (`true`, the default unless `LT_BF16_GRADS=0`; see `crate::grads::GradBuf`), or widened
+    /// into fp32 buffers (`false`). Either way, with bf16 uploads on an f32 backend (the CPU's
+    /// stand-in for a GPU) they are rounded to bf16 before they land, as a bf16 device computes them.
+    pub fn with_bf16_gradients(mut self, on: bool) -> Self {
+        self.bf16_grads = on;
+        self
+    }
+
+    /// Whether decoder-layer gradients land in bf16 ([`Self::with_bf16_gradients`]).
+    pub fn lands_bf16_gradients(&self) -> bool {
+        self.bf16_grads && self.upload_dtype == DType::BF16
     }
 
     /// The float dtype uploads are made in.
@@ -548,6 +565,7 @@ impl<B: AutodiffBackend> Executor<B> {
         let Some(streams) = self.streams.as_ref() else { return Err(ExecError::Worker("streams")) };
         let mode = streams.mode;
         let float = self.upload_dtype;
+        let bf16_device = float == DType::BF16;
 
         // --- h2d stream ---
         let up = {
@@ -669,8 +687,11 @@ impl<B: AutodiffBackend> Executor<B> {
                                 let what = format!("gradients of layer {j}");
                                 let host = params.into_iter().map(|g| g.wait(&what)).collect::<Result<Vec<_>, _>>()?;
                                 let mut dst = grads.layer(j);
-                                for (k, g) in host.iter().enumerate() {
-                                    sq += accumulate_data(&mut dst[k], g, &pool)?;
+                                for (k, g) in host.into_iter().enumerate() {
+                                    // A bf16 device's gradients already are bf16 (no conversion); an
+                                    // f32 backend standing in for one rounds them as it would.
+                                    let g = if bf16_device { g.convert_dtype(DType::BF16) } else { g };
+                                    sq += dst[k].land(&g, &pool)?;
                                 }
                                 Ok(())
                             })?

@@ -2,14 +2,20 @@
 //!
 //! Each layer's gradients sit behind their own lock: the d2h stream accumulates into layer `i`
 //! while the optimizer thread may be reading layer `j`'s gradients of the previous step.
+//!
+//! A decoder layer's gradient is kept in bf16 where the device computes in bf16 ([`GradBuf::Bf16`]):
+//! with one micro-batch per step, the downloaded gradient is the whole gradient, and widening it
+//! into an fp32 buffer would only double its memory and the optimizer's reads. A second landing in
+//! the same step (gradient accumulation) widens the buffer to fp32 for good, so a step is always
+//! exact whatever the number of micro-batches.
 
 use std::sync::Mutex;
 
 use burn::tensor::{DType, TensorData};
 use lt_core::hostmem::huge_vec;
 use lt_model::host::HostModel;
-use lt_optim::grad::accumulate_into;
-use lt_optim::{Grad, ThreadPool};
+use lt_optim::grad::{accumulate_into, copy_into, land_bf16};
+use lt_optim::{Grad, ThreadPool, bf16};
 
 use crate::error::ExecError;
 use crate::state::SharedModel;
@@ -25,11 +31,109 @@ pub struct HeadGrads {
     pub lm_head: Option<Vec<f32>>,
 }
 
-/// fp32 gradients of every parameter.
+/// One decoder-layer tensor's gradient.
+#[derive(Debug)]
+pub enum GradBuf {
+    /// fp32: the accumulator for any number of micro-batches and any downloaded dtype.
+    F32(Vec<f32>),
+    /// bf16 as downloaded from a bf16 device, for steps of one micro-batch. `landed`: whether this
+    /// step's gradient is in (a second landing widens the buffer to [`GradBuf::F32`] for good).
+    Bf16 {
+        /// The gradient (zeros until it lands).
+        data: Vec<bf16>,
+        /// Set by a landing, cleared by [`GradBuf::zero`].
+        landed: bool,
+    },
+}
+
+impl GradBuf {
+    /// A zero gradient of `n` elements, bf16 or fp32.
+    pub fn zeros(n: usize, bf16: bool) -> Self {
+        if bf16 {
+            GradBuf::Bf16 { data: huge_vec(n, bf16::ZERO), landed: false }
+        } else {
+            GradBuf::F32(huge_vec(n, 0.0))
+        }
+    }
+
+    /// Elements.
+    pub fn len(&self) -> usize {
+        match self {
+            GradBuf::F32(g) => g.len(),
+            GradBuf::Bf16 { data, .. } => data.len(),
+        }
+    }
+
+    /// Whether it has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> u64 {
+        match self {
+            GradBuf::F32(g) => 4 * g.len() as u64,
+            GradBuf::Bf16 { data, .. } => 2 * data.len() as u64,
+        }
+    }
+
+    /// The gradient as the optimizer reads it.
+    pub fn grad(&self) -> Grad<'_> {
+        match self {
+            GradBuf::F32(g) => Grad::F32(g),
+            GradBuf::Bf16 { data, .. } => Grad::Bf16(data),
+        }
+    }
+
+    /// The values in f32 (a copy).
+    pub fn to_f32(&self) -> Vec<f32> {
+        match self {
+            GradBuf::F32(g) => g.clone(),
+            GradBuf::Bf16 { data, .. } => data.iter().map(|x| x.to_f32()).collect(),
+        }
+    }
+
+    /// Back to zero, ready for the next step.
+    pub fn zero(&mut self) {
+        match self {
+            GradBuf::F32(g) => g.fill(0.0),
+            GradBuf::Bf16 { data, landed } => {
+                data.fill(bf16::ZERO);
+                *landed = false;
+            }
+        }
+    }
+
+    /// Adds a downloaded gradient, returning the sum of squares of the result (as
+    /// [`accumulate_data`]). A bf16 buffer takes the step's first landing of bf16 data as it is
+    /// ([`land_bf16`]: the same values and the same sum as the fp32 path); anything else widens it
+    /// to fp32 first, exactly, and accumulates there.
+    pub fn land(&mut self, data: &TensorData, pool: &ThreadPool) -> Result<f64, ExecError> {
+        if let GradBuf::Bf16 { data: buf, landed } = self {
+            if !*landed
+                && data.dtype == DType::BF16
+                && let Ok(src) = data.as_slice::<bf16>()
+            {
+                let sq = land_bf16(src, buf, pool).map_err(ExecError::Optim)?;
+                *landed = true;
+                return Ok(sq);
+            }
+            let mut wide = huge_vec(buf.len(), 0.0f32);
+            copy_into(Grad::Bf16(buf), &mut wide, 1.0, pool).map_err(ExecError::Optim)?;
+            *self = GradBuf::F32(wide);
+        }
+        match self {
+            GradBuf::F32(dst) => accumulate_data(dst, data, pool),
+            GradBuf::Bf16 { .. } => Err(ExecError::Worker("gradient landing")),
+        }
+    }
+}
+
+/// Gradients of every parameter: fp32, except decoder layers' on a bf16 device ([`GradBuf`]).
 #[derive(Debug)]
 pub struct HostGrads {
     /// Per layer, per parameter (in `layer_params` order).
-    pub layers: Vec<Mutex<Vec<Vec<f32>>>>,
+    pub layers: Vec<Mutex<Vec<GradBuf>>>,
     /// Embedding, norm, head.
     pub head: Mutex<HeadGrads>,
 }
@@ -39,13 +143,13 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl HostGrads {
-    /// Zero gradients shaped like `host`.
+    /// Zero fp32 gradients shaped like `host`.
     pub fn zeros_like(host: &HostModel) -> Self {
         Self {
             layers: host
                 .layers
                 .iter()
-                .map(|l| Mutex::new(l.tensors.iter().map(|t| huge_vec(t.data.len(), 0.0)).collect()))
+                .map(|l| Mutex::new(l.tensors.iter().map(|t| GradBuf::zeros(t.data.len(), false)).collect()))
                 .collect(),
             head: Mutex::new(HeadGrads {
                 embed_tokens: huge_vec(host.embed_tokens.data.len(), 0.0),
@@ -56,8 +160,9 @@ impl HostGrads {
     }
 
     /// Zero gradients shaped like the masters of `model`, reading only their sizes (no copy of the
-    /// weights is made, unlike [`SharedModel::snapshot`] + [`HostGrads::zeros_like`]).
-    pub fn zeros_like_shared(model: &SharedModel) -> Self {
+    /// weights is made, unlike [`SharedModel::snapshot`] + [`HostGrads::zeros_like`]); decoder
+    /// layers' in bf16 when `bf16_layers` (a bf16 device: see [`GradBuf`]).
+    pub fn zeros_like_shared(model: &SharedModel, bf16_layers: bool) -> Self {
         let head = model.head.read().unwrap_or_else(|e| e.into_inner());
         Self {
             layers: model
@@ -65,7 +170,7 @@ impl HostGrads {
                 .iter()
                 .map(|l| {
                     let l = l.read().unwrap_or_else(|e| e.into_inner());
-                    Mutex::new(l.tensors.iter().map(|t| huge_vec(t.data.len(), 0.0)).collect())
+                    Mutex::new(l.tensors.iter().map(|t| GradBuf::zeros(t.data.len(), bf16_layers)).collect())
                 })
                 .collect(),
             head: Mutex::new(HeadGrads {
@@ -76,18 +181,18 @@ impl HostGrads {
         }
     }
 
-    /// Bytes of every gradient buffer (fp32).
+    /// Bytes of every gradient buffer.
     pub fn bytes(&self) -> u64 {
         let h = lock(&self.head);
         let head = h.embed_tokens.len() + h.norm.len() + h.lm_head.as_ref().map_or(0, Vec::len);
-        let layers: usize = self.layers.iter().map(|l| lock(l).iter().map(Vec::len).sum::<usize>()).sum();
-        (4 * (head + layers)) as u64
+        let layers: u64 = self.layers.iter().map(|l| lock(l).iter().map(GradBuf::bytes).sum::<u64>()).sum();
+        4 * head as u64 + layers
     }
 
     /// Zero layer `i`'s gradients.
     pub fn zero_layer(&self, i: usize) {
         for p in lock(&self.layers[i]).iter_mut() {
-            p.fill(0.0);
+            p.zero();
         }
     }
 
@@ -119,14 +224,14 @@ impl HostGrads {
         }
         for (i, l) in self.layers.iter().enumerate() {
             for (g, s) in lock(l).iter().zip(&host.layers[i].specs) {
-                out.push((format!("layers.{i}.{}", s.name), g.clone()));
+                out.push((format!("layers.{i}.{}", s.name), g.to_f32()));
             }
         }
         out
     }
 
     /// Lock layer `i`.
-    pub fn layer(&self, i: usize) -> std::sync::MutexGuard<'_, Vec<Vec<f32>>> {
+    pub fn layer(&self, i: usize) -> std::sync::MutexGuard<'_, Vec<GradBuf>> {
         lock(&self.layers[i])
     }
 
@@ -194,6 +299,55 @@ mod tests {
             let mut short = vec![0f32; 3];
             assert!(accumulate_data(&mut short, &TensorData::new(g.clone(), [n]), &pool).is_err());
         }
+    }
+
+    /// A bf16 buffer keeps the step's first bf16 landing as it is, widens to fp32 at a second one
+    /// (accumulation) or at f32 data, and each time gives the fp32 path's values and sum of squares.
+    #[test]
+    fn a_bf16_gradient_buffer_keeps_one_landing_and_widens_for_more() {
+        let pool = ThreadPool::new(2).unwrap();
+        let n = 1000;
+        let a: Vec<lt_optim::bf16> = (0..n).map(|i| lt_optim::bf16::from_f32((i as f32 - 500.0) * 0.01)).collect();
+        let b: Vec<lt_optim::bf16> = (0..n).map(|i| lt_optim::bf16::from_f32((i % 7) as f32 * 0.5)).collect();
+        let fp32_path = |landings: &[&Vec<lt_optim::bf16>]| {
+            let mut dst = vec![0f32; n];
+            let mut sq = 0.0;
+            for l in landings {
+                sq = accumulate_data(&mut dst, &TensorData::new((*l).clone(), [n]), &pool).unwrap();
+            }
+            (dst, sq)
+        };
+        let mut g = GradBuf::zeros(n, true);
+        assert_eq!(g.bytes(), 2 * n as u64);
+        let sq = g.land(&TensorData::new(a.clone(), [n]), &pool).unwrap();
+        let (want, want_sq) = fp32_path(&[&a]);
+        assert!(matches!(g, GradBuf::Bf16 { landed: true, .. }));
+        assert!(matches!(g.grad(), Grad::Bf16(_)));
+        assert_eq!(g.to_f32(), want);
+        assert_eq!(sq.to_bits(), want_sq.to_bits());
+        // A second micro-batch in the same step: fp32 for good, holding the sum.
+        let sq = g.land(&TensorData::new(b.clone(), [n]), &pool).unwrap();
+        let (want, want_sq) = fp32_path(&[&a, &b]);
+        assert!(matches!(g, GradBuf::F32(_)));
+        assert_eq!(g.bytes(), 4 * n as u64);
+        assert_eq!(g.to_f32(), want);
+        assert_eq!(sq.to_bits(), want_sq.to_bits());
+        // The next step starts from zero; the buffer stays fp32.
+        g.zero();
+        assert!(g.to_f32().iter().all(|&x| x == 0.0));
+        // After zero(), a bf16 buffer takes a landing again; f32 data widens it.
+        let mut h = GradBuf::zeros(n, true);
+        h.land(&TensorData::new(a.clone(), [n]), &pool).unwrap();
+        h.zero();
+        assert!(matches!(h, GradBuf::Bf16 { landed: false, .. }));
+        assert!(h.to_f32().iter().all(|&x| x == 0.0));
+        let f: Vec<f32> = a.iter().map(|x| x.to_f32() * 0.3).collect();
+        h.land(&TensorData::new(f.clone(), [n]), &pool).unwrap();
+        assert!(matches!(h, GradBuf::F32(_)));
+        assert_eq!(h.to_f32(), f);
+        // A landing of the wrong length is an error, not a panic.
+        let mut k = GradBuf::zeros(n, true);
+        assert!(k.land(&TensorData::new(a[..10].to_vec(), [10]), &pool).is_err());
     }
 
     #[test]

@@ -153,7 +153,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             model.fill_upload_copies(&pool).map_err(ExecError::Optim)?;
         }
         // Shapes only: a snapshot would copy every master weight (4 bytes/param) just to size them.
-        let grads = Arc::new(HostGrads::zeros_like_shared(&model));
+        let grads = Arc::new(HostGrads::zeros_like_shared(&model, executor.lands_bf16_gradients()));
         Ok(Self {
             model,
             grads,
@@ -311,14 +311,14 @@ fn apply_update(
                 && result.is_ok()
             {
                 let mut params: Vec<&mut [f32]> = l.tensors.iter_mut().map(|t| t.data.as_mut_slice()).collect();
-                let gs: Vec<Grad<'_>> = g.iter().map(|x| Grad::F32(x)).collect();
+                let gs: Vec<Grad<'_>> = g.iter().map(|x| x.grad()).collect();
                 let mut copy = model.copy_slot(layer_slot(i));
                 if let Err(e) = update(model, &mut groups[i + 1], &mut params, &mut copy, &gs, ctx, pool) {
                     result = Err(e);
                 }
             }
             for p in g.iter_mut() {
-                p.fill(0.0);
+                p.zero();
             }
         });
         model.set_version(layer_slot(i), version);

@@ -47,17 +47,29 @@ fn options(optimizer: OptimizerKind, overlap: bool) -> TrainOptions {
 type Run = (Vec<(u64, u64)>, HostModel);
 
 fn train(host: &HostModel, plan: &Step, opts: &TrainOptions, optimizer_copy: bool) -> Run {
+    train_with(host, plan, opts, optimizer_copy, true, &micro_batches(host.config.vocab_size))
+}
+
+fn train_with(
+    host: &HostModel,
+    plan: &Step,
+    opts: &TrainOptions,
+    optimizer_copy: bool,
+    bf16_grads: bool,
+    mbs: &[Batch],
+) -> Run {
     let ex = Executor::<CpuAutodiff>::new(plan.clone(), ByteSize::gib(1), Default::default(), None)
         .with_upload_dtype(DType::BF16)
-        .with_optimizer_copy(optimizer_copy);
+        .with_optimizer_copy(optimizer_copy)
+        .with_bf16_gradients(bf16_grads);
     assert_eq!(ex.wants_upload_copies(), optimizer_copy);
+    assert_eq!(ex.lands_bf16_gradients(), bf16_grads);
     let model = Arc::new(SharedModel::new(host.clone(), 0));
     let mut tr = Trainer::new(Arc::clone(&model), ex, opts.clone(), None, 0).unwrap();
     assert_eq!(model.has_upload_copies(), optimizer_copy);
-    let mbs = micro_batches(host.config.vocab_size);
     let mut steps = Vec::new();
     for _ in 0..opts.total_steps {
-        let m = tr.step(&mbs).unwrap();
+        let m = tr.step(mbs).unwrap();
         steps.push((m.loss.to_bits(), m.grad_norm.to_bits()));
         if optimizer_copy {
             tr.flush().unwrap();
@@ -125,6 +137,37 @@ fn training_from_the_copy_is_bit_identical_to_converting_at_each_upload() {
                 Trainer::new(Arc::new(SharedModel::new(host.clone(), 0)), f32_ex, opts.clone(), None, 0).unwrap();
             let f32_loss = f32_tr.step(&micro_batches(host.config.vocab_size)).unwrap().loss;
             assert_ne!(f32_loss.to_bits(), want_steps[0].0, "{name} {pname}: bf16 uploads were not bf16");
+        }
+    }
+}
+
+/// Keeping a bf16 device's layer gradients in bf16 as they land changes where they are kept, not
+/// what the optimizer computes: against widening them into fp32 buffers (`LT_BF16_GRADS=0`), the
+/// same losses, gradient norms (the clip scale) and masters, bit for bit, every step, with one
+/// micro-batch per step (kept in bf16) and with four (widened at the second landing), both
+/// optimizers, three plans.
+#[test]
+fn bf16_gradients_train_bit_identically_to_fp32_gradient_buffers() {
+    for name in ["qwen3-tied-mqa", "qwen2-untied-mqa", "qwen35-hybrid"] {
+        let host = HostModel::load(&fixture(name)).unwrap();
+        let layers = host.config.num_layers();
+        let vocab = host.config.vocab_size;
+        let four = micro_batches(vocab);
+        // The same four rows as one micro-batch.
+        let one = vec![Batch::from_ids(four.iter().flat_map(|b| b.input_ids.clone()).collect())];
+        let cases = [
+            ("keep-all", Step::keep_all(layers), OptimizerKind::adamw8bit(), true),
+            ("recompute-all", Step::recompute_all(layers), OptimizerKind::AdamW, false),
+            ("all-host", Step::all_in(layers, Placement::Host), OptimizerKind::adamw8bit(), true),
+        ];
+        for (pname, plan, optimizer, overlap) in cases {
+            let opts = options(optimizer, overlap);
+            for (mname, mbs) in [("one micro-batch", &one), ("four micro-batches", &four)] {
+                let (want_steps, want_model) = train_with(&host, &plan, &opts, true, false, mbs);
+                let (got_steps, got_model) = train_with(&host, &plan, &opts, true, true, mbs);
+                assert_eq!(got_steps, want_steps, "{name} {pname} {mname}: losses or gradient norms differ");
+                assert!(bits(&got_model) == bits(&want_model), "{name} {pname} {mname}: the masters differ");
+            }
         }
     }
 }

@@ -50,6 +50,14 @@ pub fn upload_copy() -> bool {
     *ON.get_or_init(|| env_switch("LT_UPLOAD_COPY", true))
 }
 
+/// Whether a bf16 device's decoder-layer gradients are kept on the host in bf16, as downloaded
+/// (lt-exec's `GradBuf`; on by default): `LT_BF16_GRADS=0` keeps them in fp32 instead (the older
+/// layout, 2 B/param more host memory; to compare against). Read once per process.
+pub fn bf16_grads() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| env_switch("LT_BF16_GRADS", true))
+}
+
 /// An on/off environment switch: `default`, unless the variable says the opposite (`1`, `on`,
 /// `true` turn it on; `0`, `off`, `false` turn it off; anything else keeps the default).
 fn env_switch(name: &str, default: bool) -> bool {

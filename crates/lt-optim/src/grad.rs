@@ -214,6 +214,39 @@ pub fn accumulate_into(src: Grad<'_>, dst: &mut [f32], scale: f32, pool: &Thread
     fuse(src, dst, scale, pool, true)
 }
 
+/// `dst = src` for a bf16 gradient kept as it landed (the optimizer then reads it as bf16), with -0
+/// stored as +0, returning `sum(dst^2)`: widened, `dst` is bit for bit what [`accumulate_into`] of
+/// `src` into a zeroed f32 buffer leaves (where `+0 + -0 = +0`), and the sum is that call's, bit for
+/// bit (same chunks, same lanes, same order), so the clip scale and every update are unchanged by
+/// keeping the gradient in half the memory.
+pub fn land_bf16(src: &[bf16], dst: &mut [bf16], pool: &ThreadPool) -> Result<f64> {
+    if src.len() != dst.len() {
+        return Err(OptimError::LengthMismatch {
+            what: "bf16 gradient destination".into(),
+            expected: src.len(),
+            found: dst.len(),
+        });
+    }
+    let n = dst.len();
+    let mut partial = vec![0f64; n.div_ceil(CHUNK)];
+    let tasks = dst.chunks_mut(CHUNK).zip(partial.iter_mut()).enumerate();
+    let work = |(i, (d, out)): (usize, (&mut [bf16], &mut f64))| {
+        let s = &src[i * CHUNK..i * CHUNK + d.len()];
+        for (d, s) in d.iter_mut().zip(s) {
+            // -0 (0x8000) becomes +0; every other value keeps its bits. Branch-free, so it vectorizes.
+            let b = s.to_bits();
+            *d = bf16::from_bits(b & if b == 0x8000 { 0 } else { 0xffff });
+        }
+        *out = sumsq_dispatch(d);
+    };
+    if n < PAR_MIN || pool.threads() == 1 {
+        tasks.for_each(work);
+    } else {
+        run_tasks(pool, tasks, work);
+    }
+    Ok(partial.iter().sum())
+}
+
 fn fuse(src: Grad<'_>, dst: &mut [f32], scale: f32, pool: &ThreadPool, acc: bool) -> Result<f64> {
     if src.len() != dst.len() {
         return Err(OptimError::LengthMismatch {
@@ -402,6 +435,42 @@ mod tests {
         let mut norm = GradNorm::new();
         norm.add(sum_squares(Grad::F32(&g), &pool));
         assert!(norm.norm().is_finite());
+    }
+
+    /// Kept as bf16, a gradient is what accumulating it into zeroed f32 gives, widened, bit for bit
+    /// (signed zeros, subnormals, infinities and NaN included), with the same sum of squares, for
+    /// any thread count.
+    #[test]
+    fn a_landed_bf16_gradient_equals_its_f32_accumulation_into_zero() {
+        let mut rng = SplitMix64::new(5);
+        let n = 300_001;
+        let mut src: Vec<bf16> = (0..n).map(|_| bf16::from_f32((rng.uniform() - 0.5) * 1e-3)).collect();
+        let specials = [-0.0, 0.0, f32::MIN_POSITIVE / 4.0, -f32::MIN_POSITIVE / 8.0, f32::INFINITY, f32::NAN];
+        for (k, &x) in specials.iter().enumerate() {
+            src[k * 7919] = bf16::from_f32(x);
+        }
+        for threads in [1, 3] {
+            let pool = ThreadPool::new(threads).unwrap();
+            let mut kept = vec![bf16::from_f32(9.0); n];
+            let s = land_bf16(&src, &mut kept, &pool).unwrap();
+            let mut wide = vec![0f32; n];
+            let w = accumulate_into(Grad::Bf16(&src), &mut wide, 1.0, &pool).unwrap();
+            assert!(
+                kept.iter().zip(&wide).all(|(k, w)| k.to_f32().to_bits() == w.to_bits() || w.is_nan() && k.is_nan())
+            );
+            assert!(kept.iter().all(|k| k.to_bits() != 0x8000), "-0 is stored as +0");
+            assert!(s.is_nan() && w.is_nan(), "a NaN makes both sums NaN");
+        }
+        // Without the infinity (special 4) and the NaN (special 5), the sums are finite and equal.
+        src[4 * 7919] = bf16::from_f32(1.0);
+        src[5 * 7919] = bf16::from_f32(2.0);
+        let pool = ThreadPool::new(2).unwrap();
+        let (mut kept, mut wide) = (vec![bf16::ZERO; n], vec![0f32; n]);
+        let s = land_bf16(&src, &mut kept, &pool).unwrap();
+        let w = accumulate_into(Grad::Bf16(&src), &mut wide, 1.0, &pool).unwrap();
+        assert!(s.is_finite());
+        assert_eq!(s.to_bits(), w.to_bits());
+        assert!(land_bf16(&src, &mut kept[1..], &pool).is_err());
     }
 
     #[test]

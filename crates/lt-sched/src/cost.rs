@@ -23,10 +23,11 @@
 //! - **Memory**: two device weight buffers and one gradient buffer of the largest layer (the running
 //!   backward's), plus the previous backward's gradients while their download runs past the
 //!   recording forward of the next (`window::row_workspace`), one slot for a prefetched boundary;
-//!   on the host ([`host_param_bytes`]) 18 B/param with fp32 AdamW (fp32 master 4, fp32 gradient 4,
-//!   into which every micro-batch's downloaded gradients are accumulated, m and v 8, bf16 upload
-//!   copy 2 (none on an f32 device, which uploads the master, nor for an untied model's embedding,
-//!   whose rows are gathered on the host)) or 12.03 B/param with 8-bit AdamW ([`OptimizerState`]),
+//!   on the host ([`host_param_bytes`]) fp32 master 4 B/param, gradient (fp32 4, into which every
+//!   micro-batch's download is accumulated; a decoder layer's stays bf16, 2, on a bf16 device
+//!   without accumulation), m and v (8 fp32, 2.03 8-bit: [`OptimizerState`]), bf16 upload copy 2
+//!   (none on an f32 device, which uploads the master, nor for an untied model's embedding, whose
+//!   rows are gathered on the host): 16 or 10.03 B/param on a bf16 device without accumulation,
 //!   plus four boundary-sized pinned buffers.
 //!
 //! FLOPs count multiply-adds as 2; elementwise work is not counted but is covered by the profile's
@@ -110,28 +111,40 @@ impl HostBytes {
 
 /// Host bytes the trainer keeps for the parameters of `model` for a whole run, exactly as lt-exec's
 /// `Trainer` allocates them (a test there holds the two together): per tensor the fp32 master
-/// (4 B/param), the fp32 gradient (4 B/param: each micro-batch's downloaded gradients are
-/// accumulated into it, so accumulation adds nothing), AdamW's moments ([`OptimizerState::
-/// tensor_bytes`]) and, on a device whose compute dtype is narrower than f32, the upload copy the
-/// optimizer writes (`compute_dtype_bytes` per param) of every tensor that is uploaded: all but an
-/// untied model's embedding, whose rows are gathered on the host.
-pub fn host_param_bytes(model: &ModelConfig, compute_dtype_bytes: usize, optimizer: OptimizerState) -> HostBytes {
+/// (4 B/param), the gradient, AdamW's moments ([`OptimizerState::tensor_bytes`]) and, on a device
+/// whose compute dtype is narrower than f32, the upload copy the optimizer writes
+/// (`compute_dtype_bytes` per param) of every tensor that is uploaded: all but an untied model's
+/// embedding, whose rows are gathered on the host.
+///
+/// Gradients: fp32 (4 B/param), into which each micro-batch's download is accumulated; but on a
+/// narrower device with one micro-batch per step (`grad_accum_steps == 1`) a decoder layer's
+/// gradient stays in the device dtype, as downloaded (lt-exec's `GradBuf`; `LT_BF16_GRADS=0`
+/// switches that off, which this model does not follow). The embedding, final norm and head keep
+/// fp32 gradients.
+pub fn host_param_bytes(
+    model: &ModelConfig,
+    compute_dtype_bytes: usize,
+    optimizer: OptimizerState,
+    grad_accum_steps: usize,
+) -> HostBytes {
     let d = compute_dtype_bytes as u64;
-    let copies = d < HOST_MASTER_BYTES_PER_PARAM as u64;
+    let narrow = d < HOST_MASTER_BYTES_PER_PARAM as u64;
+    let layer_grad = if narrow && grad_accum_steps == 1 { d } else { HOST_GRAD_BYTES_PER_PARAM as u64 };
     let mut b = HostBytes::default();
-    let mut add = |numel: u64, uploaded: bool| {
+    let mut add = |numel: u64, uploaded: bool, grad: u64| {
         b.masters += HOST_MASTER_BYTES_PER_PARAM as u64 * numel;
-        b.grads += HOST_GRAD_BYTES_PER_PARAM as u64 * numel;
+        b.grads += grad * numel;
         b.optimizer_state += optimizer.tensor_bytes(numel);
-        if uploaded && copies {
+        if uploaded && narrow {
             b.upload_copies += d * numel;
         }
     };
     for p in model.outer_params() {
-        add(p.numel() as u64, p.name != "embed_tokens.weight" || model.tie_word_embeddings);
+        let uploaded = p.name != "embed_tokens.weight" || model.tie_word_embeddings;
+        add(p.numel() as u64, uploaded, HOST_GRAD_BYTES_PER_PARAM as u64);
     }
     for p in (0..model.num_layers()).flat_map(|i| model.layer_params(i)) {
-        add(p.numel() as u64, true);
+        add(p.numel() as u64, true, layer_grad);
     }
     b
 }
@@ -265,8 +278,9 @@ const DELTA_CHUNK: f64 = lt_core::config::DELTA_CHUNK as f64;
 /// ([`OptimizerState`]) and the upload copy come on top ([`host_param_bytes`]).
 const HOST_MASTER_BYTES_PER_PARAM: f64 = 4.0;
 
-/// Host bytes per parameter of the fp32 gradient buffer, which is also the accumulator over
-/// micro-batches: downloads are widened and added into it as they land.
+/// Host bytes per parameter of an fp32 gradient buffer, which is also the accumulator over
+/// micro-batches: downloads are widened and added into it as they land (see [`host_param_bytes`]
+/// for the bf16 exception).
 const HOST_GRAD_BYTES_PER_PARAM: f64 = 4.0;
 
 /// Bytes per logit element of one loss chunk: fp32 logits (4) and fp32 `d logits` (4).
@@ -354,8 +368,9 @@ impl Instance {
         let gpu_static = hw.gpu_reserved.as_f64() + 2.0 * w_max + g_max;
         // The parameters' buffers, plus four boundary-sized pinned buffers: two NVMe staging buffers,
         // boundary 0 after the host-side embedding gather, and the landing buffer of dx_0.
-        let host_static =
-            host_param_bytes(model, hw.compute_dtype_bytes as usize, opts.optimizer).total() as f64 + 4.0 * a_bytes;
+        let host_static = host_param_bytes(model, hw.compute_dtype_bytes as usize, opts.optimizer, cfg.grad_accum_steps)
+            .total() as f64
+            + 4.0 * a_bytes;
         let embed_params = head_params as f64;
         let norm_params = h;
         let (opt_embed, opt_head) = if model.tie_word_embeddings {

@@ -169,9 +169,10 @@ pub(crate) fn host_bytes_needed(
     micro: usize,
     seq: usize,
     dtype_bytes: usize,
+    grad_accum_steps: usize,
 ) -> u64 {
     let acts = (host_boundaries * micro * seq * cfg.hidden_size * dtype_bytes) as u64;
-    lt_sched::cost::host_param_bytes(cfg, dtype_bytes, optimizer.state()).total() + acts
+    lt_sched::cost::host_param_bytes(cfg, dtype_bytes, optimizer.state(), grad_accum_steps).total() + acts
 }
 
 /// What one benchmark run measured.
@@ -265,7 +266,8 @@ fn bench(args: &BenchTrainArgs) -> Result<Report, Failure> {
         DeviceChoice::Cuda => 2,
         DeviceChoice::Cpu | DeviceChoice::Wgpu => 4,
     };
-    let need = host_bytes_needed(&cfg, s.optimizer, host_boundaries, micro, s.seq_len, dtype_bytes);
+    let accum = chosen.plan.shape.grad_accum_steps;
+    let need = host_bytes_needed(&cfg, s.optimizer, host_boundaries, micro, s.seq_len, dtype_bytes, accum);
     match mem_available() {
         Some(avail) if need > avail => {
             return Err(Failure::new(
@@ -367,7 +369,7 @@ struct Measured {
     sampled_peak: Option<u64>,
     /// Seconds to initialise the random weights.
     init_seconds: f64,
-    /// What the trainer keeps for the parameters (allocated, by kind).
+    /// What the trainer keeps for the parameters (allocated, by kind, after the last step).
     host_bytes: lt_exec::train::HostBytes,
 }
 
@@ -472,6 +474,8 @@ fn timed_steps<B: AutodiffBackend>(
     trainer.flush().map_err(err)?;
     pb.finish_and_clear();
     m.sampled_peak = sampler.and_then(GpuMemorySampler::stop);
+    // After the steps: a bf16 gradient buffer widens to fp32 at a step's second micro-batch.
+    m.host_bytes = trainer.host_bytes();
     Ok(m)
 }
 
@@ -625,14 +629,21 @@ mod tests {
           "rms_norm_eps":1e-6,"rope_theta":1e6,"tie_word_embeddings":true}"#;
         let cfg = ModelConfig::from_json_str(json).unwrap();
         let p = cfg.total_params() as u64;
-        let eight = host_bytes_needed(&cfg, OptimizerChoice::Adamw8bit, 0, 1, 8, 4);
-        let fp32 = host_bytes_needed(&cfg, OptimizerChoice::Adamw, 0, 1, 8, 4);
+        let layers: u64 = (0..cfg.num_layers()).map(|i| cfg.layer_numel(i) as u64).sum();
+        let eight = host_bytes_needed(&cfg, OptimizerChoice::Adamw8bit, 0, 1, 8, 4, 1);
+        let fp32 = host_bytes_needed(&cfg, OptimizerChoice::Adamw, 0, 1, 8, 4, 1);
         assert_eq!(fp32, 16 * p, "4 master + 4 grad + 8 state, no copy on an f32 device");
+        assert_eq!(host_bytes_needed(&cfg, OptimizerChoice::Adamw, 0, 1, 8, 4, 3), 16 * p, "accumulation is free");
         assert!(eight < fp32 && eight > 8 * p, "{eight} vs {p} params");
-        // A bf16 device adds the upload copy of every tensor (tied: the embedding is uploaded).
-        assert_eq!(host_bytes_needed(&cfg, OptimizerChoice::Adamw, 0, 1, 8, 2), 18 * p);
-        assert_eq!(host_bytes_needed(&cfg, OptimizerChoice::Adamw, 2, 1, 8, 4), 16 * p + 2 * 8 * 64 * 4);
-        assert_eq!(host_bytes_needed(&cfg, OptimizerChoice::Adamw, 2, 1, 8, 2), 18 * p + 2 * 8 * 64 * 2);
+        // A bf16 device adds the upload copy of every tensor (tied: the embedding is uploaded), and
+        // without accumulation keeps the decoder layers' gradients in bf16.
+        assert_eq!(host_bytes_needed(&cfg, OptimizerChoice::Adamw, 0, 1, 8, 2, 3), 18 * p);
+        assert_eq!(host_bytes_needed(&cfg, OptimizerChoice::Adamw, 0, 1, 8, 2, 1), 18 * p - 2 * layers);
+        assert_eq!(host_bytes_needed(&cfg, OptimizerChoice::Adamw, 2, 1, 8, 4, 1), 16 * p + 2 * 8 * 64 * 4);
+        assert_eq!(
+            host_bytes_needed(&cfg, OptimizerChoice::Adamw, 2, 1, 8, 2, 1),
+            18 * p - 2 * layers + 2 * 8 * 64 * 2
+        );
     }
 
     #[test]

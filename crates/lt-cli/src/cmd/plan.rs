@@ -172,9 +172,10 @@ pub fn run(args: &PlanArgs) -> Result<()> {
 
 const GIB: f64 = (1u64 << 30) as f64;
 
-/// What the trainer keeps in host memory for the parameters on this profile's device dtype.
-fn param_host_bytes(s: &Setup) -> lt_sched::cost::HostBytes {
-    lt_sched::cost::host_param_bytes(&s.model, s.hw.compute_dtype_bytes as usize, s.req.cost.optimizer)
+/// What the trainer keeps in host memory for the parameters of plan `p` on this profile's device dtype.
+fn param_host_bytes(s: &Setup, p: &Plan) -> lt_sched::cost::HostBytes {
+    let accum = p.step.shape.grad_accum_steps;
+    lt_sched::cost::host_param_bytes(&s.model, s.hw.compute_dtype_bytes as usize, s.req.cost.optimizer, accum)
 }
 
 fn tier_name(p: Placement) -> &'static str {
@@ -208,10 +209,10 @@ fn print_text(
     print_layers(o);
     println!();
     print_comparison(&o.plan, baselines);
-    let b = param_host_bytes(s);
+    let b = param_host_bytes(s, &o.plan);
     println!(
-        "host memory for the parameters (predicted, any plan): {:.2} GiB = fp32 masters {:.2} + fp32 gradients {:.2} \
-+ optimizer state {:.2} + upload copies {:.2}; boundaries kept in host memory and staging buffers come on top",
+        "host memory for the parameters (predicted): {:.2} GiB = fp32 masters {:.2} + gradients {:.2} + optimizer \
+state {:.2} + upload copies {:.2}; boundaries kept in host memory and staging buffers come on top",
         b.total() as f64 / GIB,
         b.masters as f64 / GIB,
         b.grads as f64 / GIB,
@@ -409,7 +410,7 @@ fn summary_json(
         "baseline_tflops": mt.map(|q| q.predicted.tflops),
         "peak_gpu_bytes": pr.peak_gpu_bytes,
         "peak_host_bytes": pr.peak_host_bytes,
-        "host_param_bytes": param_host_bytes(s),
+        "host_param_bytes": param_host_bytes(s, p),
         "peak_nvme_bytes": pr.peak_nvme_bytes,
         "exposed_seconds": pr.exposed_seconds,
         "micro_batch_size": p.step.shape.micro_batch_size,
