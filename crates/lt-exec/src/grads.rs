@@ -31,18 +31,31 @@ pub struct HeadGrads {
     pub lm_head: Option<Vec<f32>>,
 }
 
+/// Where a bf16 gradient buffer stands in a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Bf16Landing {
+    /// Nothing has landed since the last update: the gradient is zero, but the buffer still holds
+    /// the previous step's values. It is not cleared, since a landing overwrites every element; a
+    /// read without one clears it first ([`GradBuf::grad`]).
+    Empty,
+    /// Nothing has landed, and the buffer holds zeros.
+    Zeroed,
+    /// This step's gradient is in.
+    Landed,
+}
+
 /// One decoder-layer tensor's gradient.
 #[derive(Debug)]
 pub enum GradBuf {
     /// fp32: the accumulator for any number of micro-batches and any downloaded dtype.
     F32(Vec<f32>),
-    /// bf16 as downloaded from a bf16 device, for steps of one micro-batch. `landed`: whether this
-    /// step's gradient is in (a second landing widens the buffer to [`GradBuf::F32`] for good).
+    /// bf16 as downloaded from a bf16 device, for steps of one micro-batch (a second landing in a
+    /// step widens the buffer to [`GradBuf::F32`] for good).
     Bf16 {
-        /// The gradient (zeros until it lands).
+        /// The gradient, when `state` says so.
         data: Vec<bf16>,
-        /// Set by a landing, cleared by [`GradBuf::zero`].
-        landed: bool,
+        /// Whether `data` holds this step's gradient.
+        state: Bf16Landing,
     },
 }
 
@@ -50,7 +63,7 @@ impl GradBuf {
     /// A zero gradient of `n` elements, bf16 or fp32.
     pub fn zeros(n: usize, bf16: bool) -> Self {
         if bf16 {
-            GradBuf::Bf16 { data: huge_vec(n, bf16::ZERO), landed: false }
+            GradBuf::Bf16 { data: huge_vec(n, bf16::ZERO), state: Bf16Landing::Zeroed }
         } else {
             GradBuf::F32(huge_vec(n, 0.0))
         }
@@ -77,11 +90,17 @@ impl GradBuf {
         }
     }
 
-    /// The gradient as the optimizer reads it.
-    pub fn grad(&self) -> Grad<'_> {
+    /// The gradient as the optimizer reads it (a bf16 buffer nothing landed in is cleared first).
+    pub fn grad(&mut self) -> Grad<'_> {
         match self {
             GradBuf::F32(g) => Grad::F32(g),
-            GradBuf::Bf16 { data, .. } => Grad::Bf16(data),
+            GradBuf::Bf16 { data, state } => {
+                if *state == Bf16Landing::Empty {
+                    data.fill(bf16::ZERO);
+                    *state = Bf16Landing::Zeroed;
+                }
+                Grad::Bf16(data)
+            }
         }
     }
 
@@ -89,18 +108,17 @@ impl GradBuf {
     pub fn to_f32(&self) -> Vec<f32> {
         match self {
             GradBuf::F32(g) => g.clone(),
+            GradBuf::Bf16 { data, state: Bf16Landing::Empty } => vec![0.0; data.len()],
             GradBuf::Bf16 { data, .. } => data.iter().map(|x| x.to_f32()).collect(),
         }
     }
 
-    /// Back to zero, ready for the next step.
+    /// Back to zero, ready for the next step: an fp32 buffer is cleared (it accumulates); a bf16
+    /// one only forgets its gradient, since the next landing overwrites it.
     pub fn zero(&mut self) {
         match self {
             GradBuf::F32(g) => g.fill(0.0),
-            GradBuf::Bf16 { data, landed } => {
-                data.fill(bf16::ZERO);
-                *landed = false;
-            }
+            GradBuf::Bf16 { state, .. } => *state = Bf16Landing::Empty,
         }
     }
 
@@ -109,17 +127,19 @@ impl GradBuf {
     /// ([`land_bf16`]: the same values and the same sum as the fp32 path); anything else widens it
     /// to fp32 first, exactly, and accumulates there.
     pub fn land(&mut self, data: &TensorData, pool: &ThreadPool) -> Result<f64, ExecError> {
-        if let GradBuf::Bf16 { data: buf, landed } = self {
-            if !*landed
+        if let GradBuf::Bf16 { data: buf, state } = self {
+            if *state != Bf16Landing::Landed
                 && data.dtype == DType::BF16
                 && let Ok(src) = data.as_slice::<bf16>()
             {
                 let sq = land_bf16(src, buf, pool).map_err(ExecError::Optim)?;
-                *landed = true;
+                *state = Bf16Landing::Landed;
                 return Ok(sq);
             }
             let mut wide = huge_vec(buf.len(), 0.0f32);
-            copy_into(Grad::Bf16(buf), &mut wide, 1.0, pool).map_err(ExecError::Optim)?;
+            if *state == Bf16Landing::Landed {
+                copy_into(Grad::Bf16(buf), &mut wide, 1.0, pool).map_err(ExecError::Optim)?;
+            }
             *self = GradBuf::F32(wide);
         }
         match self {
@@ -321,7 +341,7 @@ mod tests {
         assert_eq!(g.bytes(), 2 * n as u64);
         let sq = g.land(&TensorData::new(a.clone(), [n]), &pool).unwrap();
         let (want, want_sq) = fp32_path(&[&a]);
-        assert!(matches!(g, GradBuf::Bf16 { landed: true, .. }));
+        assert!(matches!(g, GradBuf::Bf16 { state: Bf16Landing::Landed, .. }));
         assert!(matches!(g.grad(), Grad::Bf16(_)));
         assert_eq!(g.to_f32(), want);
         assert_eq!(sq.to_bits(), want_sq.to_bits());
@@ -335,12 +355,25 @@ mod tests {
         // The next step starts from zero; the buffer stays fp32.
         g.zero();
         assert!(g.to_f32().iter().all(|&x| x == 0.0));
-        // After zero(), a bf16 buffer takes a landing again; f32 data widens it.
+        // After zero(), a bf16 buffer reads as zero without being rewritten (a landing overwrites
+        // it), takes a landing again, and is cleared when read without one.
         let mut h = GradBuf::zeros(n, true);
         h.land(&TensorData::new(a.clone(), [n]), &pool).unwrap();
         h.zero();
-        assert!(matches!(h, GradBuf::Bf16 { landed: false, .. }));
+        assert!(matches!(h, GradBuf::Bf16 { state: Bf16Landing::Empty, .. }));
         assert!(h.to_f32().iter().all(|&x| x == 0.0));
+        let sq = h.land(&TensorData::new(b.clone(), [n]), &pool).unwrap();
+        let (want, want_sq) = fp32_path(&[&b]);
+        assert_eq!((h.to_f32(), sq.to_bits()), (want, want_sq.to_bits()));
+        h.zero();
+        match h.grad() {
+            Grad::Bf16(x) => assert!(x.iter().all(|v| v.to_bits() == 0)),
+            Grad::F32(_) => panic!("still bf16"),
+        }
+        // f32 data (or a second landing) into a buffer nothing landed in widens it to zeros plus
+        // the landing, not to stale values.
+        h.land(&TensorData::new(a.clone(), [n]), &pool).unwrap();
+        h.zero();
         let f: Vec<f32> = a.iter().map(|x| x.to_f32() * 0.3).collect();
         h.land(&TensorData::new(f.clone(), [n]), &pool).unwrap();
         assert!(matches!(h, GradBuf::F32(_)));

@@ -311,7 +311,7 @@ fn apply_update(
                 && result.is_ok()
             {
                 let mut params: Vec<&mut [f32]> = l.tensors.iter_mut().map(|t| t.data.as_mut_slice()).collect();
-                let gs: Vec<Grad<'_>> = g.iter().map(|x| x.grad()).collect();
+                let gs: Vec<Grad<'_>> = g.iter_mut().map(|x| x.grad()).collect();
                 let mut copy = model.copy_slot(layer_slot(i));
                 if let Err(e) = update(model, &mut groups[i + 1], &mut params, &mut copy, &gs, ctx, pool) {
                     result = Err(e);

@@ -231,13 +231,7 @@ pub fn land_bf16(src: &[bf16], dst: &mut [bf16], pool: &ThreadPool) -> Result<f6
     let mut partial = vec![0f64; n.div_ceil(CHUNK)];
     let tasks = dst.chunks_mut(CHUNK).zip(partial.iter_mut()).enumerate();
     let work = |(i, (d, out)): (usize, (&mut [bf16], &mut f64))| {
-        let s = &src[i * CHUNK..i * CHUNK + d.len()];
-        for (d, s) in d.iter_mut().zip(s) {
-            // -0 (0x8000) becomes +0; every other value keeps its bits. Branch-free, so it vectorizes.
-            let b = s.to_bits();
-            *d = bf16::from_bits(b & if b == 0x8000 { 0 } else { 0xffff });
-        }
-        *out = sumsq_dispatch(d);
+        *out = land_dispatch(&src[i * CHUNK..i * CHUNK + d.len()], d);
     };
     if n < PAR_MIN || pool.threads() == 1 {
         tasks.for_each(work);
@@ -316,6 +310,46 @@ fn fuse_body<T: GradElem>(s: &[T], d: &mut [f32], scale: f32, acc_mode: bool) ->
     acc.iter().sum::<f64>() + tail
 }
 
+/// `d = s` with -0 as +0, returning `sum(d^2)` in [`fuse_body`]'s lanes and order (so the same bits as
+/// widening `s` into zeros there).
+#[inline(always)]
+fn land_body(s: &[bf16], d: &mut [bf16]) -> f64 {
+    // -0 (0x8000) becomes +0, as `+0 + -0` does in fp32; every other value keeps its bits.
+    let canon = |b: u16| if b == 0x8000 { 0 } else { b };
+    let mut acc = [0f64; 16];
+    let mut dc = d.chunks_exact_mut(16);
+    let mut sc = s.chunks_exact(16);
+    for (dd, ss) in (&mut dc).zip(&mut sc) {
+        for k in 0..16 {
+            let b = canon(ss[k].to_bits());
+            dd[k] = bf16::from_bits(b);
+            // bf16 -> f32 is the top half of the f32's bits: exact, as `GradElem::to_f32`.
+            let v = f32::from_bits(u32::from(b) << 16);
+            acc[k] += v as f64 * v as f64;
+        }
+    }
+    let mut tail = 0f64;
+    for (dd, ss) in dc.into_remainder().iter_mut().zip(sc.remainder()) {
+        let b = canon(ss.to_bits());
+        *dd = bf16::from_bits(b);
+        let v = f32::from_bits(u32::from(b) << 16);
+        tail += v as f64 * v as f64;
+    }
+    acc.iter().sum::<f64>() + tail
+}
+
+fn land_dispatch(s: &[bf16], d: &mut [bf16]) -> f64 {
+    match simd_level() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as in `sumsq_dispatch`.
+        SimdLevel::Avx512 => unsafe { x86::land_avx512(s, d) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as in `sumsq_dispatch`.
+        SimdLevel::Avx2 => unsafe { x86::land_avx2(s, d) },
+        _ => land_body(s, d),
+    }
+}
+
 fn sumsq_dispatch<T: GradElem>(x: &[T]) -> f64 {
     match simd_level() {
         #[cfg(target_arch = "x86_64")]
@@ -342,7 +376,21 @@ fn fuse_dispatch<T: GradElem>(s: &[T], d: &mut [f32], scale: f32, acc: bool) -> 
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{GradElem, fuse_body, sumsq_body};
+    use super::{GradElem, bf16, fuse_body, land_body, sumsq_body};
+
+    /// # Safety
+    /// The CPU must support AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn land_avx512(s: &[bf16], d: &mut [bf16]) -> f64 {
+        land_body(s, d)
+    }
+
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn land_avx2(s: &[bf16], d: &mut [bf16]) -> f64 {
+        land_body(s, d)
+    }
 
     /// # Safety
     /// The CPU must support AVX-512F.
