@@ -8,8 +8,9 @@
 //!   recompute layers and the backward layers) and hands each item over a rendezvous channel: one
 //!   buffer in use, the next one bound (double buffering, as lt-sched's memory model counts it).
 //! - **d2h** receives activation offloads (host tier or NVMe) and weight gradients over a rendezvous
-//!   (one set being produced, one being downloaded), converts them to fp32 host buffers and
-//!   accumulates them, computing the sum of squares in the same pass.
+//!   (one set being produced, one being downloaded) and lands them in the host buffers
+//!   (`crate::grads::GradBuf`: kept as bf16 from a bf16 device in a step's only micro-batch, else
+//!   widened and accumulated in fp32), computing the sum of squares in the same pass.
 //!
 //! Before any compute, the micro-batch is checked against lt-sched's memory model
 //! (`lt_sched::window::gpu_live`, the function the planner plans with) on the executor's hardware

@@ -3,8 +3,9 @@
 //! `lt-exec` composes the model (`lt-model`), storage (`lt-storage`), planner (`lt-sched`) and host
 //! optimizer (`lt-optim`). It runs one training step exactly as an [`plan::Step`] says: each
 //! layer's weights are streamed to the device, boundary activations are kept on the device, in host
-//! memory or on NVMe (or dropped and recomputed), gradients stream back to fp32 host buffers, and every
-//! operation is traced per stream so exposure is measured, not estimated.
+//! memory or on NVMe (or dropped and recomputed), gradients stream back to host buffers (fp32, or
+//! bf16 as downloaded from a bf16 device: `grads::GradBuf`), and every operation is traced per
+//! stream so exposure is measured, not estimated.
 //!
 //! ```no_run
 //! use lt_exec::{executor::Executor, grads::HostGrads, plan::Step, state::SharedModel};

@@ -94,7 +94,8 @@ impl OptimizerState {
 pub struct HostBytes {
     /// fp32 master weights.
     pub masters: u64,
-    /// fp32 gradients (also the accumulator over micro-batches).
+    /// Gradients: fp32 (also the accumulator over micro-batches), or bf16 for a bf16 device's decoder
+    /// layers without accumulation.
     pub grads: u64,
     /// AdamW's moments: fp32, or 8-bit codes with their absmax values.
     pub optimizer_state: u64,
@@ -260,7 +261,7 @@ pub struct Instance {
     /// Static device memory: reserve, two weight buffers, the gradient buffer of the running backward
     /// (no prefetch slot; the previous backward's gradients are counted per row, see `window`).
     pub gpu_static_bytes: f64,
-    /// Static host memory: master weights, fp32 gradients, optimizer state, upload copies
+    /// Static host memory: master weights, gradients, optimizer state, upload copies
     /// ([`host_param_bytes`]), staging buffers.
     pub host_static_bytes: f64,
     /// Host optimizer time of the embedding (plus the tied head), seconds (predicted).

@@ -158,7 +158,7 @@ fn settings(args: &BenchTrainArgs) -> Result<RunSettings> {
 }
 
 /// Host bytes the run needs for `cfg`: what the trainer keeps for the parameters
-/// ([`lt_sched::cost::host_param_bytes`]: fp32 masters, fp32 gradients, the optimizer's moments,
+/// ([`lt_sched::cost::host_param_bytes`]: fp32 masters, gradients, the optimizer's moments,
 /// and on a bf16 device the bf16 upload copies; `dtype_bytes` is the device's element size), plus
 /// the activations the plan keeps in host memory for one micro-batch (in the device dtype).
 /// Transient per-layer buffers of the streams (a few layers' worth) are not counted.
@@ -273,7 +273,7 @@ fn bench(args: &BenchTrainArgs) -> Result<Report, Failure> {
             return Err(Failure::new(
                 FailKind::HostMemory,
                 format!(
-                    "host memory: this run needs about {} (fp32 masters, fp32 gradients, {} state{}, host-tier \
+                    "host memory: this run needs about {} (fp32 masters, gradients, {} state{}, host-tier \
 activations) but only {} is available (MemAvailable)",
                     ByteSize(need),
                     s.optimizer.name(),
