@@ -17,6 +17,7 @@
 use std::hint::black_box;
 use std::time::Instant;
 
+use benches::env_usize;
 use burn::tensor::{Distribution, Tensor};
 use lt_core::{LayerKind, ModelConfig};
 use lt_model::delta::DeltaForm;
@@ -45,10 +46,6 @@ const CONFIG: &str = r#"{
   "tie_word_embeddings": false,
   "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25}
 }"#;
-
-fn env_usize(name: &str, default: usize) -> usize {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
 
 /// A timed case: a name and the work, which returns something to keep alive until timed.
 type Case<'a> = (String, Box<dyn FnMut() -> Box<dyn std::any::Any> + 'a>);

@@ -23,31 +23,12 @@
 //! then reads 2 instead of 4 bytes of gradient per parameter (`lt bench optimizer --grad-dtype`).
 #![allow(missing_docs)]
 
-use std::hint::black_box;
 use std::path::Path;
-use std::time::Instant;
 
+use benches::{env_usize, median_secs};
 use lt_core::ModelConfig;
 use lt_optim::grad::{accumulate_into, land_bf16};
 use lt_optim::{Grad, ThreadPool, bf16};
-
-fn env_usize(name: &str, default: usize) -> usize {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
-
-/// Median seconds of `repeats` runs of `f`, after one warm-up run.
-fn median_secs(repeats: usize, mut f: impl FnMut() -> f64) -> f64 {
-    black_box(f());
-    let mut t: Vec<f64> = (0..repeats.max(1))
-        .map(|_| {
-            let s = Instant::now();
-            black_box(f());
-            s.elapsed().as_secs_f64()
-        })
-        .collect();
-    t.sort_by(f64::total_cmp);
-    t[t.len() / 2]
-}
 
 fn main() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");

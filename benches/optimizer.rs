@@ -15,12 +15,9 @@
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
+use benches::env_usize;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use lt_optim::{AdamW, AdamWConfig, Grad, OptimizerKind, StepOutcome, ThreadPool, bf16};
-
-fn env_usize(name: &str, default: usize) -> usize {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
 
 struct Setup {
     params: Vec<f32>,

@@ -25,32 +25,13 @@
 //! optimizer` and `lt bench optimizer --write-copy bf16` time that), not here.
 #![allow(missing_docs)]
 
-use std::hint::black_box;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Instant;
 
+use benches::{env_usize, median_secs};
 use burn::tensor::{AllocationProperty, Bytes, DType, TensorData, bf16};
 use lt_core::ModelConfig;
 use lt_model::upload::{Bf16Copy, host_data, shared_bf16_data};
-
-fn env_usize(name: &str, default: usize) -> usize {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
-
-/// Median seconds of `repeats` runs of `f`, after one warm-up run.
-fn median_secs(repeats: usize, mut f: impl FnMut() -> usize) -> f64 {
-    black_box(f());
-    let mut t: Vec<f64> = (0..repeats.max(1))
-        .map(|_| {
-            let s = Instant::now();
-            black_box(f());
-            s.elapsed().as_secs_f64()
-        })
-        .collect();
-    t.sort_by(f64::total_cmp);
-    t[t.len() / 2]
-}
 
 /// Upstream cubecl-runtime 0.10.0 `ComputeClient::do_create`: every buffer copied into a fresh `Vec`.
 fn upstream_create(data: &TensorData) -> Bytes {
