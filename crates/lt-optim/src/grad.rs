@@ -227,18 +227,23 @@ pub fn land_bf16(src: &[bf16], dst: &mut [bf16], pool: &ThreadPool) -> Result<f6
             found: dst.len(),
         });
     }
+    Ok(chunked_sum(dst, pool, |i, d| land_dispatch(&src[i * CHUNK..i * CHUNK + d.len()], d)))
+}
+
+/// Runs `work(i, chunk i of dst)` over `dst` in [`CHUNK`]-element chunks (on `pool` above
+/// [`PAR_MIN`] elements) and adds the sums it returns in chunk order, so that the result does not
+/// depend on the number of threads.
+fn chunked_sum<D: Send>(dst: &mut [D], pool: &ThreadPool, work: impl Fn(usize, &mut [D]) -> f64 + Sync) -> f64 {
     let n = dst.len();
     let mut partial = vec![0f64; n.div_ceil(CHUNK)];
     let tasks = dst.chunks_mut(CHUNK).zip(partial.iter_mut()).enumerate();
-    let work = |(i, (d, out)): (usize, (&mut [bf16], &mut f64))| {
-        *out = land_dispatch(&src[i * CHUNK..i * CHUNK + d.len()], d);
-    };
+    let job = |(i, (d, out)): (usize, (&mut [D], &mut f64))| *out = work(i, d);
     if n < PAR_MIN || pool.threads() == 1 {
-        tasks.for_each(work);
+        tasks.for_each(job);
     } else {
-        run_tasks(pool, tasks, work);
+        run_tasks(pool, tasks, job);
     }
-    Ok(partial.iter().sum())
+    partial.iter().sum()
 }
 
 fn fuse(src: Grad<'_>, dst: &mut [f32], scale: f32, pool: &ThreadPool, acc: bool) -> Result<f64> {
@@ -249,21 +254,10 @@ fn fuse(src: Grad<'_>, dst: &mut [f32], scale: f32, pool: &ThreadPool, acc: bool
             found: dst.len(),
         });
     }
-    let n = dst.len();
-    let mut partial = vec![0f64; n.div_ceil(CHUNK)];
-    let tasks = dst.chunks_mut(CHUNK).zip(partial.iter_mut()).enumerate();
-    let work = |(i, (d, out)): (usize, (&mut [f32], &mut f64))| {
-        *out = match src.slice(i * CHUNK, d.len()) {
-            Grad::F32(s) => fuse_dispatch(s, d, scale, acc),
-            Grad::Bf16(s) => fuse_dispatch(s, d, scale, acc),
-        }
-    };
-    if n < PAR_MIN || pool.threads() == 1 {
-        tasks.for_each(work);
-    } else {
-        run_tasks(pool, tasks, work);
-    }
-    Ok(partial.iter().sum())
+    Ok(chunked_sum(dst, pool, |i, d| match src.slice(i * CHUNK, d.len()) {
+        Grad::F32(s) => fuse_dispatch(s, d, scale, acc),
+        Grad::Bf16(s) => fuse_dispatch(s, d, scale, acc),
+    }))
 }
 
 // ---- kernels: one generic body, compiled per instruction set ----
@@ -321,18 +315,15 @@ fn land_body(s: &[bf16], d: &mut [bf16]) -> f64 {
     let mut sc = s.chunks_exact(16);
     for (dd, ss) in (&mut dc).zip(&mut sc) {
         for k in 0..16 {
-            let b = canon(ss[k].to_bits());
-            dd[k] = bf16::from_bits(b);
-            // bf16 -> f32 is the top half of the f32's bits: exact, as `GradElem::to_f32`.
-            let v = f32::from_bits(u32::from(b) << 16);
+            dd[k] = bf16::from_bits(canon(ss[k].to_bits()));
+            let v = GradElem::to_f32(dd[k]);
             acc[k] += v as f64 * v as f64;
         }
     }
     let mut tail = 0f64;
     for (dd, ss) in dc.into_remainder().iter_mut().zip(sc.remainder()) {
-        let b = canon(ss.to_bits());
-        *dd = bf16::from_bits(b);
-        let v = f32::from_bits(u32::from(b) << 16);
+        *dd = bf16::from_bits(canon(ss.to_bits()));
+        let v = GradElem::to_f32(*dd);
         tail += v as f64 * v as f64;
     }
     acc.iter().sum::<f64>() + tail

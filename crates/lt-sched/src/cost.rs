@@ -129,11 +129,11 @@ pub fn host_param_bytes(
     grad_accum_steps: usize,
 ) -> HostBytes {
     let d = compute_dtype_bytes as u64;
-    let narrow = d < HOST_MASTER_BYTES_PER_PARAM as u64;
-    let layer_grad = if narrow && grad_accum_steps == 1 { d } else { HOST_GRAD_BYTES_PER_PARAM as u64 };
+    let narrow = d < HOST_MASTER_BYTES_PER_PARAM;
+    let layer_grad = if narrow && grad_accum_steps == 1 { d } else { HOST_GRAD_BYTES_PER_PARAM };
     let mut b = HostBytes::default();
     let mut add = |numel: u64, uploaded: bool, grad: u64| {
-        b.masters += HOST_MASTER_BYTES_PER_PARAM as u64 * numel;
+        b.masters += HOST_MASTER_BYTES_PER_PARAM * numel;
         b.grads += grad * numel;
         b.optimizer_state += optimizer.tensor_bytes(numel);
         if uploaded && narrow {
@@ -142,7 +142,7 @@ pub fn host_param_bytes(
     };
     for p in model.outer_params() {
         let uploaded = p.name != "embed_tokens.weight" || model.tie_word_embeddings;
-        add(p.numel() as u64, uploaded, HOST_GRAD_BYTES_PER_PARAM as u64);
+        add(p.numel() as u64, uploaded, HOST_GRAD_BYTES_PER_PARAM);
     }
     for p in (0..model.num_layers()).flat_map(|i| model.layer_params(i)) {
         add(p.numel() as u64, true, layer_grad);
@@ -277,12 +277,12 @@ const DELTA_CHUNK: f64 = lt_core::config::DELTA_CHUNK as f64;
 
 /// Host bytes per parameter of the fp32 master weights. The gradient, AdamW's m and v
 /// ([`OptimizerState`]) and the upload copy come on top ([`host_param_bytes`]).
-const HOST_MASTER_BYTES_PER_PARAM: f64 = 4.0;
+const HOST_MASTER_BYTES_PER_PARAM: u64 = 4;
 
 /// Host bytes per parameter of an fp32 gradient buffer, which is also the accumulator over
 /// micro-batches: downloads are widened and added into it as they land (see [`host_param_bytes`]
 /// for the bf16 exception).
-const HOST_GRAD_BYTES_PER_PARAM: f64 = 4.0;
+const HOST_GRAD_BYTES_PER_PARAM: u64 = 4;
 
 /// Bytes per logit element of one loss chunk: fp32 logits (4) and fp32 `d logits` (4).
 const CHUNK_LOGIT_BYTES: f64 = 8.0;

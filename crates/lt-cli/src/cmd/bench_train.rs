@@ -233,10 +233,8 @@ fn human_summary(r: &Report) -> String {
         ByteSize(f("peak_host_bytes").max(0.0) as u64),
         ByteSize(f("host_estimate_bytes").max(0.0) as u64),
         ByteSize(
-            ["masters", "grads", "optimizer_state", "upload_copies"]
-                .iter()
-                .filter_map(|k| j["host_trainer_bytes"][k].as_u64())
-                .sum::<u64>()
+            serde_json::from_value::<lt_exec::train::HostBytes>(j["host_trainer_bytes"].clone())
+                .map_or(0, |b| b.total())
         ),
         j["losses"]
     );
@@ -446,7 +444,7 @@ fn timed_steps<B: AutodiffBackend>(
         rss: Vec::new(),
         sampled_peak: None,
         init_seconds: 0.0,
-        host_bytes: trainer.host_bytes(),
+        host_bytes: Default::default(),
     };
     for k in 0..total {
         let rows: Vec<Vec<u32>> =
