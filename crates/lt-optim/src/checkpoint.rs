@@ -25,7 +25,7 @@ use std::io::{Read, Write};
 
 use lt_core::hash::Xxh64;
 
-use crate::config::{AdamWConfig, OptimizerKind, Quant8Config};
+use crate::config::{AdamWConfig, OptimizerKind, Q8Codes, Quant8Config};
 use crate::error::{OptimError, Result};
 use crate::optimizer::{AdamW, Moments, ParamGroup, Q8State, TensorState};
 use crate::qmap::QuantMaps;
@@ -50,7 +50,9 @@ impl AdamW {
         w.u32(FORMAT_VERSION)?;
         let (kind, q) = match self.kind {
             OptimizerKind::AdamW => (0u8, Quant8Config::default()),
-            OptimizerKind::AdamW8bit(q) => (1u8, q),
+            // 1 (dynamic maps) is what every checkpoint before the f8 codes holds.
+            OptimizerKind::AdamW8bit(q) if q.codes == Q8Codes::Dynamic => (1u8, q),
+            OptimizerKind::AdamW8bit(q) => (2u8, q),
         };
         w.u8(kind)?;
         w.u32(q.block_size as u32)?;
@@ -150,6 +152,7 @@ impl AdamW {
                             qv,
                             am: r.f32s(nb)?,
                             av: r.f32s(nb)?,
+                            codes: if kind == 2 { Q8Codes::F8 } else { Q8Codes::Dynamic },
                             maps: QuantMaps::default(),
                         })
                     }
@@ -175,10 +178,11 @@ impl AdamW {
             weight_decay: f[4],
             max_grad_norm: (has_max != 0).then_some(max),
         };
-        let q = Quant8Config { block_size, min_8bit_numel };
+        let q = Quant8Config { block_size, min_8bit_numel, codes: Q8Codes::Dynamic };
         let kind = match kind {
             0 => OptimizerKind::AdamW,
             1 => OptimizerKind::AdamW8bit(q),
+            2 => OptimizerKind::AdamW8bit(Quant8Config { codes: Q8Codes::F8, ..q }),
             k => return Err(corrupt(format!("unknown optimizer kind {k}"))),
         };
         let mut opt = AdamW::new(config, kind).map_err(|e| corrupt(format!("stored settings are invalid: {e}")))?;
@@ -360,8 +364,8 @@ mod tests {
     }
 
     #[test]
-    fn save_load_round_trips_both_kinds() {
-        for kind in [OptimizerKind::AdamW, OptimizerKind::adamw8bit()] {
+    fn save_load_round_trips_every_kind() {
+        for kind in [OptimizerKind::AdamW, OptimizerKind::adamw8bit(), OptimizerKind::adamw8bit_f8()] {
             let opt = trained(kind);
             assert_eq!(opt.skipped_steps(), 1);
             let mut bytes = Vec::new();
@@ -369,6 +373,14 @@ mod tests {
             let back = AdamW::load(bytes.as_slice()).unwrap();
             same(&opt, &back);
             assert!(back.groups()[0].tensors()[0].is_8bit() == matches!(kind, OptimizerKind::AdamW8bit(_)));
+            // The codes' kind travels in the optimizer kind byte: 1 for the dynamic maps (every
+            // checkpoint written before the f8 codes), 2 for f8.
+            let tag = match kind {
+                OptimizerKind::AdamW => 0,
+                OptimizerKind::AdamW8bit(q) if q.codes == Q8Codes::Dynamic => 1,
+                OptimizerKind::AdamW8bit(_) => 2,
+            };
+            assert_eq!(bytes[MAGIC.len() + 4], tag);
         }
     }
 

@@ -66,12 +66,37 @@ pub struct Quant8Config {
     /// Tensors with fewer elements keep fp32 state (bitsandbytes' `min_8bit_size`): their state is
     /// negligible in size and norms/biases are the most sensitive to quantization noise.
     pub min_8bit_numel: usize,
+    /// How a value becomes a byte: bitsandbytes' dynamic maps or the `f8` small floats.
+    pub codes: Q8Codes,
+}
+
+/// The 8-bit state's codes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Q8Codes {
+    /// bitsandbytes' dynamic maps (signed for `m`, unsigned for `v`), the exact nearest entry, one
+    /// f32 absmax per block: bitsandbytes' `AdamW8bit` trajectory, bit for bit.
+    #[default]
+    Dynamic,
+    /// Small floats found by integer rounding (`m`: sign and 3 mantissa bits over 16 octaves, `v`: 3
+    /// mantissa bits over 32 octaves, each below its block's largest value): every value to 6.25%,
+    /// found and read with a few integer operations instead of a table search (see `crate::f8`).
+    F8,
+}
+
+impl Q8Codes {
+    /// Short name (`dynamic`, `f8`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Q8Codes::Dynamic => "dynamic",
+            Q8Codes::F8 => "f8",
+        }
+    }
 }
 
 impl Default for Quant8Config {
     /// Block 256, fp32 state below 4096 elements: bitsandbytes' defaults.
     fn default() -> Self {
-        Quant8Config { block_size: 256, min_8bit_numel: 4096 }
+        Quant8Config { block_size: 256, min_8bit_numel: 4096, codes: Q8Codes::Dynamic }
     }
 }
 
@@ -104,11 +129,17 @@ impl OptimizerKind {
         OptimizerKind::AdamW8bit(Quant8Config::default())
     }
 
-    /// Short name (`adamw`, `adamw8bit`).
+    /// `adamw8bit-f8`: bitsandbytes' block and size defaults with [`Q8Codes::F8`] codes.
+    pub fn adamw8bit_f8() -> Self {
+        OptimizerKind::AdamW8bit(Quant8Config { codes: Q8Codes::F8, ..Quant8Config::default() })
+    }
+
+    /// Short name (`adamw`, `adamw8bit`, `adamw8bit-f8`).
     pub fn name(&self) -> &'static str {
         match self {
             OptimizerKind::AdamW => "adamw",
-            OptimizerKind::AdamW8bit(_) => "adamw8bit",
+            OptimizerKind::AdamW8bit(Quant8Config { codes: Q8Codes::Dynamic, .. }) => "adamw8bit",
+            OptimizerKind::AdamW8bit(Quant8Config { codes: Q8Codes::F8, .. }) => "adamw8bit-f8",
         }
     }
 }
@@ -128,8 +159,11 @@ mod tests {
         assert!(AdamWConfig { eps: 0.0, ..Default::default() }.validate().is_err());
         assert!(AdamWConfig { lr: -1.0, ..Default::default() }.validate().is_err());
         for b in [0, 8, 100, 8192] {
-            assert!(Quant8Config { block_size: b, min_8bit_numel: 0 }.validate().is_err(), "block {b}");
+            assert!(
+                Quant8Config { block_size: b, min_8bit_numel: 0, ..Default::default() }.validate().is_err(),
+                "block {b}"
+            );
         }
-        assert!(Quant8Config { block_size: 64, min_8bit_numel: 0 }.validate().is_ok());
+        assert!(Quant8Config { block_size: 64, min_8bit_numel: 0, ..Default::default() }.validate().is_ok());
     }
 }

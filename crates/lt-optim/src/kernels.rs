@@ -315,7 +315,7 @@ impl Coeffs {
 }
 
 /// Elements per parallel task (rounded to whole blocks for the 8-bit kernel).
-const TASK: usize = 1 << 15;
+pub(crate) const TASK: usize = 1 << 15;
 /// Below this many elements a tensor is updated on the calling thread only.
 pub(crate) const PAR_MIN: usize = 1 << 16;
 
@@ -390,7 +390,7 @@ pub(crate) const DEQ_PERMUTE: u8 = 0;
 pub(crate) const DEQ_GATHER: u8 = 1;
 
 /// The copy mode of a path for an optional copy.
-fn copy_mode(path: KernelPath, copy: bool) -> u8 {
+pub(crate) fn copy_mode(path: KernelPath, copy: bool) -> u8 {
     match (copy, path.bf16_hw) {
         (false, _) => NO_COPY,
         (true, false) => COPY_INT,
@@ -456,7 +456,7 @@ impl Q8Kernel {
 
 /// Splits an optional bf16 copy like its parameters (`size` elements per task); without a copy,
 /// every task gets an empty slice.
-fn copy_chunks(cp: Option<&mut [bf16]>, size: usize) -> impl Iterator<Item = &mut [bf16]> + Send {
+pub(crate) fn copy_chunks(cp: Option<&mut [bf16]>, size: usize) -> impl Iterator<Item = &mut [bf16]> + Send {
     cp.into_iter().flat_map(move |c| c.chunks_mut(size)).chain(std::iter::repeat_with(<&mut [bf16]>::default))
 }
 
@@ -818,7 +818,7 @@ pub(crate) fn bf16_chunk(src: &[f32], dst: &mut [bf16], path: KernelPath) {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(crate) mod x86 {
     use std::arch::x86_64::*;
     use std::mem::MaybeUninit;
 
@@ -840,7 +840,7 @@ mod x86 {
     /// lines: aligned, the VBMI kernel took 36.1 against 36.8-37.4 ms per step at 64M parameters,
     /// 2 threads, same bits (session 19, `docs/benchmarks.md`).
     #[repr(C, align(64))]
-    struct Scratch<T>([T; 2 * MAX_BLOCK]);
+    pub(crate) struct Scratch<T>(pub(crate) [T; 2 * MAX_BLOCK]);
 
     /// # Safety
     /// The CPU must support AVX-512F.
@@ -927,7 +927,7 @@ mod x86 {
     /// `dst` must be valid for writing 16 elements; for `COPY_HW` the CPU must have AVX512-BF16.
     #[inline]
     #[target_feature(enable = "avx512f,avx512dq")]
-    pub(super) unsafe fn store_bf16x16<const MODE: u8>(dst: *mut bf16, x: __m512) {
+    pub(crate) unsafe fn store_bf16x16<const MODE: u8>(dst: *mut bf16, x: __m512) {
         let bits = if MODE == COPY_HW && _mm512_fpclass_ps_mask::<0x20>(x) == 0 {
             let r: __m256i;
             // SAFETY: the caller guarantees AVX512-BF16 for COPY_HW; the instruction only reads and
@@ -941,6 +941,33 @@ mod x86 {
         };
         // SAFETY: the caller guarantees 16 writable elements (32 bytes; bf16 is a transparent u16).
         unsafe { _mm256_storeu_si256(dst as *mut __m256i, bits) }
+    }
+
+    /// Stores the bf16 copy of 32 lanes (`lo`, then `hi`) at `dst`, as two `store_bf16x16` would:
+    /// for `MODE == COPY_HW` with one `vcvtne2ps2bf16` (32 lanes for the cost of the 16-lane form
+    /// on AMD Zen 4) unless a lane is subnormal.
+    ///
+    /// # Safety
+    /// `dst` must be valid for writing 32 elements; for `COPY_HW` the CPU must have AVX512-BF16.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512dq")]
+    pub(crate) unsafe fn store_bf16x32<const MODE: u8>(dst: *mut bf16, lo: __m512, hi: __m512) {
+        if MODE == COPY_HW && _mm512_fpclass_ps_mask::<0x20>(lo) | _mm512_fpclass_ps_mask::<0x20>(hi) == 0 {
+            let r: __m512i;
+            // SAFETY: the caller guarantees AVX512-BF16; the instruction only reads and writes
+            // registers. The first source fills the upper half.
+            unsafe {
+                std::arch::asm!("vcvtne2ps2bf16 {r}, {hi}, {lo}", hi = in(zmm_reg) hi, lo = in(zmm_reg) lo, r = out(zmm_reg) r, options(pure, nomem, nostack))
+            };
+            // SAFETY: the caller guarantees 32 writable elements (64 bytes).
+            unsafe { _mm512_storeu_si512(dst as *mut __m512i, r) }
+        } else {
+            // SAFETY: the caller's.
+            unsafe {
+                store_bf16x16::<MODE>(dst, lo);
+                store_bf16x16::<MODE>(dst.add(16), hi);
+            }
+        }
     }
 
     /// Stores the bf16 copy of 8 lanes at `dst` (AVX2; the rounding of `bf16x16_int`).
@@ -1342,14 +1369,14 @@ mod x86 {
     /// 256. Measured on the development machine (64M parameters, 2 threads, bf16 gradients): 512
     /// gave +12-18% over no prefetch; 256, 768 and 1024 less; extra L2-only prefetches further
     /// ahead did not help.
-    const PREFETCH_AHEAD: usize = 512;
+    pub(crate) const PREFETCH_AHEAD: usize = 512;
 
     /// Prefetches (into L1) the 64 parameters, gradients and codes at element `o`: once the
     /// re-quantization work fills the out-of-order window, the hardware prefetchers alone leave
     /// the streams short of requests in flight and the update waits on memory. Prefetching past the
     /// end of the slices is harmless (`prefetcht0` never faults; the addresses are only formed).
     #[inline(always)]
-    fn prefetch64<G>(o: usize, p: *const f32, g: *const G, qm: *const u8, qv: *const u8) {
+    pub(crate) fn prefetch64<G>(o: usize, p: *const f32, g: *const G, qm: *const u8, qv: *const u8) {
         let line = |a: *const u8| {
             // SAFETY: a prefetch is a hint: it never faults and reads nothing into the program.
             unsafe { _mm_prefetch::<_MM_HINT_T0>(a as *const i8) }
@@ -1369,7 +1396,7 @@ mod x86 {
     /// (`prefetchw`): the copy is only ever stored to, so without this every line's
     /// read-for-ownership missed when the store retired and the store buffer filled up.
     #[inline(always)]
-    fn prefetch_copy64(o: usize, cp: *const bf16) {
+    pub(crate) fn prefetch_copy64(o: usize, cp: *const bf16) {
         let b = cp.wrapping_add(o) as *const i8;
         // SAFETY: a prefetch is a hint: it never faults and reads nothing into the program.
         unsafe {

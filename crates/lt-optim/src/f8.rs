@@ -1,0 +1,619 @@
+//! The `f8` 8-bit state codes: small floats found by integer rounding, not by table search.
+//!
+//! bitsandbytes' dynamic maps ([`crate::qmap`]) put 256 values in eight runs of evenly spaced
+//! entries; finding a value's nearest entry costs a run index and several table reads per element,
+//! and on AMD Zen 4 that search made the 8-bit update compute-bound and no faster than PyTorch's
+//! memory-bound fused fp32 AdamW (issue 13; docs/benchmarks.md). The `f8` codes keep the dynamic
+//! maps' block layout (blocks of 256, one exact f32 absmax per block and moment, the value divided
+//! by it before coding) and replace the map by small floats, so that finding and reading a code is
+//! a handful of integer operations:
+//!
+//! - **Rounding.** A normalized value's magnitude is rounded to 3 mantissa bits, to nearest, ties
+//!   away from zero, on its f32 bits: `q = (bits + 0x80000) >> 20`, the rounded value's exponent
+//!   and top 3 mantissa bits (`q << 20` are its f32 bits). Every rounded value is within 2^-4
+//!   (6.25%) of the value, relative.
+//! - **`m` (signed).** Code = sign (bit 7) | `c`, `c = q - q(2^-16)`, saturating at 0, and `c = 0`
+//!   meaning zero: 127 steps of an eighth of an octave from `|m| / absmax = 1` down to 2^-16;
+//!   smaller values flush to zero (a smaller step, never a larger one). This is FP8 E4M3 without
+//!   subnormals.
+//! - **`v` (unsigned).** Code = `q - q(2^-32)`, saturating at 0: 255 steps from 1 down to 2^-32
+//!   (2^-16 in `sqrt(v)`, what the update divides by); smaller values read as 2^-32 of the absmax (a
+//!   larger `v`: a smaller step, never a larger one). A zero block reads as zeros.
+//!
+//! The absmax is the block's exact largest magnitude, as in bitsandbytes: a block whose values all
+//! decay by `beta2` codes the same and reads back `beta2` smaller (a rounded scale would not move).
+//! Against the dynamic maps: the same 2 bytes per parameter plus two f32 per block; each value to
+//! 3.1-6.25% (the dynamic maps: 0.7% near the block's absmax, 7% at a tenth of it, coarser below).
+//! This is the FP8 idea (torchao's `AdamWFp8` keeps both moments in E4M3 with block scales).
+//!
+//! The update's arithmetic is the dynamic-map kernel's (`crate::kernels::q8_block_scalar`):
+//! `m1 = m0n * (absmax_m * beta1) + g * (scale * (1 - beta1))` with `m0n` the normalized old value,
+//! `v1 = v0n * (absmax_v * beta2) + g * (scale^2 * (1 - beta2)) * g`,
+//! `p = p * decay + m1 * (-lr / bc1) / (sqrt(v1) / sqrt(bc2) + eps)`, then `m1 * (1 / absmax)`
+//! coded; only the codes differ. The portable body below is the definition; the AVX-512 kernel
+//! (`x86`) does the same operations lane for lane, and every operation is exact or correctly
+//! rounded (integer operations, `mul_add`, `sqrt`, division), so every path gives the same bits.
+
+use half::bf16;
+
+use crate::config::MAX_BLOCK;
+use crate::copy::bf16_rne;
+use crate::grad::{Grad, GradElem};
+use crate::kernels::{COPY_HW, COPY_INT, Coeffs, KernelPath, NO_COPY, PAR_MIN, TASK, copy_chunks, copy_mode};
+use crate::pool::{ThreadPool, run_tasks};
+use crate::qmap::block_absmax;
+use crate::simd::SimdLevel;
+
+/// The f32 bits below the 3 kept mantissa bits.
+const SHIFT: u32 = 20;
+/// `q` of 1.0, the largest normalized magnitude.
+const ONE_Q: u32 = 127 << 3;
+/// `q` of `m`'s code 0 (2^-16: code `c` is `q = M_BASE + c`, up to 127).
+const M_BASE: u32 = ONE_Q - 127;
+/// `q` of `v`'s code 0 (2^-32: code `c` is `q = V_BASE + c`, up to 255).
+const V_BASE: u32 = ONE_Q - 255;
+
+/// `|x|`'s bits (`abs_bits`: `x`'s without the sign) rounded to 3 mantissa bits, to nearest, ties
+/// away from zero, as `exponent << 3 | mantissa` (the rounded value's f32 bits `>> 20`). Monotonic
+/// in `|x|`. (Ties to even would cost two more operations per 16 values for a case that needs the
+/// 20 dropped bits to be exactly `0x80000`.)
+#[inline(always)]
+pub(crate) fn round_q(abs_bits: u32) -> u32 {
+    abs_bits.wrapping_add(0x80000) >> SHIFT
+}
+
+/// `1 / absmax`, or 0 where that is not finite (a zero block, whose values all code as 0).
+#[inline(always)]
+fn inv_scale(absmax: f32) -> f32 {
+    let r = 1.0 / absmax;
+    if r.is_finite() { r } else { 0.0 }
+}
+
+/// The normalized value of `m` code `code`.
+#[inline(always)]
+pub(crate) fn m_value(code: u8) -> f32 {
+    let code = code as u32;
+    let c = code & 0x7f;
+    let mag = if c == 0 { 0 } else { (M_BASE + c) << SHIFT };
+    f32::from_bits(mag | ((code & 0x80) << 24))
+}
+
+/// The normalized value of `v` code `code`.
+#[inline(always)]
+pub(crate) fn v_value(code: u8) -> f32 {
+    f32::from_bits((V_BASE + code as u32) << SHIFT)
+}
+
+/// The `m` code of the normalized value `x` (`|x| <= 1`).
+#[inline(always)]
+fn m_code(x: f32) -> u8 {
+    let b = x.to_bits();
+    (round_q(b & 0x7fff_ffff).saturating_sub(M_BASE) | ((b >> 24) & 0x80)) as u8
+}
+
+/// The `v` code of the normalized value `x` (`0 <= x <= 1`: the bits have no sign).
+#[inline(always)]
+fn v_code(x: f32) -> u8 {
+    round_q(x.to_bits()).saturating_sub(V_BASE) as u8
+}
+
+/// Codes the block `x` as `m` into `out` (the same length); returns its absmax. The definition the
+/// tests hold the fused update to.
+#[cfg(test)]
+pub(crate) fn quantize_m(x: &[f32], out: &mut [u8]) -> f32 {
+    let absmax = block_absmax(x);
+    let r = inv_scale(absmax);
+    for (o, &v) in out.iter_mut().zip(x) {
+        *o = m_code(v * r);
+    }
+    absmax
+}
+
+/// As [`quantize_m`], for `v` (non-negative values).
+#[cfg(test)]
+pub(crate) fn quantize_v(x: &[f32], out: &mut [u8]) -> f32 {
+    let absmax = block_absmax(x);
+    let r = inv_scale(absmax);
+    for (o, &v) in out.iter_mut().zip(x) {
+        *o = v_code(v * r);
+    }
+    absmax
+}
+
+/// `out[i] = m_value(codes[i]) * absmax`.
+pub(crate) fn dequantize_m(codes: &[u8], absmax: f32, out: &mut [f32]) {
+    for (o, &c) in out.iter_mut().zip(codes) {
+        *o = m_value(c) * absmax;
+    }
+}
+
+/// `out[i] = v_value(codes[i]) * absmax`.
+pub(crate) fn dequantize_v(codes: &[u8], absmax: f32, out: &mut [f32]) {
+    for (o, &c) in out.iter_mut().zip(codes) {
+        *o = v_value(c) * absmax;
+    }
+}
+
+/// The 8-bit state of one tensor under `f8` codes, borrowed.
+pub(crate) struct F8Slices<'a> {
+    pub qm: &'a mut [u8],
+    pub qv: &'a mut [u8],
+    pub am: &'a mut [f32],
+    pub av: &'a mut [f32],
+    pub block: usize,
+}
+
+/// One block (at most [`MAX_BLOCK`] elements): the update, the copy when `COPY`, and the new codes.
+/// `tm`/`tv` are scratch of at least the block's length.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn block<G: GradElem, const COPY: bool>(
+    p: &mut [f32],
+    cp: &mut [bf16],
+    g: &[G],
+    qm: &mut [u8],
+    qv: &mut [u8],
+    am: &mut f32,
+    av: &mut f32,
+    c: &Coeffs,
+    tm: &mut [f32],
+    tv: &mut [f32],
+) {
+    let n = p.len();
+    let (g, qm, qv, tm, tv) = (&g[..n], &mut qm[..n], &mut qv[..n], &mut tm[..n], &mut tv[..n]);
+    let (am_b1, av_b2) = (*am * c.beta1, *av * c.beta2);
+    for i in 0..n {
+        let g = g[i].to_f32();
+        let m1 = m_value(qm[i]).mul_add(am_b1, g * c.gm);
+        let v1 = v_value(qv[i]).mul_add(av_b2, g * c.gv * g);
+        let denom = v1.sqrt().mul_add(c.inv_bc2, c.eps);
+        p[i] = p[i].mul_add(c.decay, m1 * c.neg_step / denom);
+        tm[i] = m1;
+        tv[i] = v1;
+    }
+    if COPY {
+        for (d, &x) in cp[..n].iter_mut().zip(p.iter()) {
+            *d = bf16_rne(x);
+        }
+    }
+    *am = block_absmax(tm);
+    *av = block_absmax(tv);
+    let (rm, rv) = (inv_scale(*am), inv_scale(*av));
+    for i in 0..n {
+        qm[i] = m_code(tm[i] * rm);
+        qv[i] = v_code(tv[i] * rv);
+    }
+}
+
+/// Blocks `done..` of a run (the last may be short); `cp` is empty (no copy) or as long as `p`.
+#[inline(always)]
+fn blocks<G: GradElem>(p: &mut [f32], cp: &mut [bf16], g: &[G], s: F8Slices<'_>, c: &Coeffs, done: usize) {
+    let b = s.block;
+    let mut tm = [0f32; MAX_BLOCK];
+    let mut tv = [0f32; MAX_BLOCK];
+    let copy = !cp.is_empty();
+    for k in done..s.am.len() {
+        let lo = k * b;
+        let hi = (lo + b).min(p.len());
+        let (pb, gb, qm, qv) = (&mut p[lo..hi], &g[lo..hi], &mut s.qm[lo..hi], &mut s.qv[lo..hi]);
+        let (am, av) = (&mut s.am[k], &mut s.av[k]);
+        if copy {
+            block::<G, true>(pb, &mut cp[lo..hi], gb, qm, qv, am, av, c, &mut tm, &mut tv);
+        } else {
+            block::<G, false>(pb, &mut [], gb, qm, qv, am, av, c, &mut tm, &mut tv);
+        }
+    }
+}
+
+/// A run of blocks on the calling thread with the kernel of `path` (the same bits on each).
+fn run<G: GradElem>(p: &mut [f32], cp: &mut [bf16], g: &[G], s: F8Slices<'_>, c: &Coeffs, path: KernelPath) {
+    match path.level {
+        #[cfg(target_arch = "x86_64")]
+        SimdLevel::Avx512 if s.block.is_multiple_of(32) => {
+            let kernel = match copy_mode(path, !cp.is_empty()) {
+                NO_COPY => x86::blocks_avx512::<G, NO_COPY>,
+                COPY_INT => x86::blocks_avx512::<G, COPY_INT>,
+                _ => x86::blocks_avx512::<G, COPY_HW>,
+            };
+            // SAFETY: `simd_level` reports AVX-512 only when the CPU has AVX-512F/BW/DQ (and so
+            // FMA, which every AVX-512 CPU has), and `KernelPath::detect` sets `bf16_hw` (COPY_HW)
+            // only with AVX512-BF16; the block
+            // size is a multiple of 32 (checked here) and at most MAX_BLOCK (`Quant8Config::validate`).
+            unsafe { kernel(p, cp, g, s, c) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `simd_level` reports AVX2 only when the CPU has AVX2 and FMA, and AVX-512 only on
+        // CPUs that have both (blocks that are not a multiple of 32 take this body there).
+        SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { x86::blocks_avx2(p, cp, g, s, c) },
+        _ => blocks(p, cp, g, s, c, 0),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+    use std::mem::MaybeUninit;
+
+    use half::bf16;
+
+    use super::*;
+    use crate::kernels::x86::{PREFETCH_AHEAD, Scratch, prefetch_copy64, prefetch64, store_bf16x32};
+
+    /// Whole blocks with AVX-512 (16 lanes, the operations of `block` lane for lane), then the
+    /// short last block, if any, with the portable body.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F/BW/DQ and FMA, and AVX512-BF16 for `COPY == COPY_HW`;
+    /// `s.block` must be a multiple of 32 and at most `MAX_BLOCK`; `cp` empty or as long as `p`,
+    /// and the state as long as `p` needs.
+    #[target_feature(enable = "avx512f,avx512bw,avx512dq,fma")]
+    pub(super) unsafe fn blocks_avx512<G: GradElem, const COPY: u8>(
+        p: &mut [f32],
+        cp: &mut [bf16],
+        g: &[G],
+        s: F8Slices<'_>,
+        c: &Coeffs,
+    ) {
+        let b = s.block;
+        let full = p.len() / b;
+        // Each block's new moments; the second pass reads only what the first wrote.
+        let mut t = Scratch([MaybeUninit::<f32>::uninit(); 2 * MAX_BLOCK]);
+        let (tm, tv) = t.0.split_at_mut(MAX_BLOCK);
+        let (tm, tv) = (tm.as_mut_ptr() as *mut f32, tv.as_mut_ptr() as *mut f32);
+        let (gm, gv) = (_mm512_set1_ps(c.gm), _mm512_set1_ps(c.gv));
+        let (inv_bc2, eps, neg_step, decay) =
+            (_mm512_set1_ps(c.inv_bc2), _mm512_set1_ps(c.eps), _mm512_set1_ps(c.neg_step), _mm512_set1_ps(c.decay));
+        let low7 = _mm512_set1_epi32(0x7f);
+        let sign = _mm512_set1_epi32(i32::MIN);
+        let abs = _mm512_set1_epi32(0x7fff_ffff);
+        let bit7 = _mm512_set1_epi32(0x80);
+        let (mbase, vbase) = (_mm512_set1_epi32(M_BASE as i32), _mm512_set1_epi32(V_BASE as i32));
+        let (mfloor, vfloor) =
+            (_mm512_set1_ps(f32::from_bits(M_BASE << SHIFT)), _mm512_set1_ps(f32::from_bits(V_BASE << SHIFT)));
+        let mhalf = _mm512_set1_epi32(0x80000u32.wrapping_sub(M_BASE << SHIFT) as i32);
+        let vhalf = _mm512_set1_epi32(0x80000u32.wrapping_sub(V_BASE << SHIFT) as i32);
+        for k in 0..full {
+            let lo = k * b;
+            // SAFETY: block k lies within every slice (`full` whole blocks of `p`; the state and
+            // a non-empty copy are as long as `p`); the scratch holds MAX_BLOCK >= b per moment.
+            unsafe {
+                let (pp, gp, qm, qv) =
+                    (p.as_mut_ptr().add(lo), g.as_ptr().add(lo), s.qm.as_mut_ptr().add(lo), s.qv.as_mut_ptr().add(lo));
+                let am_b1 = _mm512_set1_ps(s.am[k] * c.beta1);
+                let av_b2 = _mm512_set1_ps(s.av[k] * c.beta2);
+                let (mut mx, mut vx) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+                let mut i = 0;
+                while i < b {
+                    // Two groups of 16 per turn, so that the copy converts 32 lanes at once.
+                    if i % 64 == 0 {
+                        // As the dynamic-map kernels do (`kernels::x86::PREFETCH_AHEAD`).
+                        let o = lo + i + PREFETCH_AHEAD;
+                        prefetch64(o, p.as_ptr(), g.as_ptr(), s.qm.as_ptr(), s.qv.as_ptr());
+                        if COPY != NO_COPY {
+                            prefetch_copy64(o, cp.as_ptr());
+                        }
+                    }
+                    let mut pn = [_mm512_setzero_ps(); 2];
+                    for (h, pn) in pn.iter_mut().enumerate() {
+                        let i = i + 16 * h;
+                        let gr = G::load16(gp.add(i));
+                        // m_value: ((c & 0x7f) + M_BASE) << 20, zero where c & 0x7f is, and the
+                        // code's bit 7 as the sign: the sign-extended code has it in bit 31.
+                        let cm = _mm512_cvtepi8_epi32(_mm_loadu_si128(qm.add(i) as *const __m128i));
+                        let nz = _mm512_test_epi32_mask(cm, low7);
+                        let mag =
+                            _mm512_maskz_slli_epi32::<20>(nz, _mm512_add_epi32(_mm512_and_si512(cm, low7), mbase));
+                        let m0 = _mm512_ternarylogic_epi32::<0xf8>(mag, cm, sign);
+                        let cv = _mm512_cvtepu8_epi32(_mm_loadu_si128(qv.add(i) as *const __m128i));
+                        let v0 = _mm512_slli_epi32::<20>(_mm512_add_epi32(cv, vbase));
+                        let m1 = _mm512_fmadd_ps(_mm512_castsi512_ps(m0), am_b1, _mm512_mul_ps(gr, gm));
+                        let v1 =
+                            _mm512_fmadd_ps(_mm512_castsi512_ps(v0), av_b2, _mm512_mul_ps(_mm512_mul_ps(gr, gv), gr));
+                        let denom = _mm512_fmadd_ps(_mm512_sqrt_ps(v1), inv_bc2, eps);
+                        let step = _mm512_div_ps(_mm512_mul_ps(m1, neg_step), denom);
+                        *pn = _mm512_fmadd_ps(_mm512_loadu_ps(pp.add(i)), decay, step);
+                        _mm512_storeu_ps(pp.add(i), *pn);
+                        _mm512_store_ps(tm.add(i), m1);
+                        _mm512_store_ps(tv.add(i), v1);
+                        // `block_absmax`'s maxima (no NaN reaches the update: such a step is
+                        // skipped).
+                        mx = _mm512_max_ps(mx, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(m1), abs)));
+                        vx = _mm512_max_ps(vx, v1);
+                    }
+                    if COPY != NO_COPY {
+                        store_bf16x32::<COPY>(cp.as_mut_ptr().add(lo + i), pn[0], pn[1]);
+                    }
+                    i += 32;
+                }
+                let (am, av) = (_mm512_reduce_max_ps(mx), _mm512_reduce_max_ps(vx));
+                s.am[k] = am;
+                s.av[k] = av;
+                let (rm, rv) = (_mm512_set1_ps(inv_scale(am)), _mm512_set1_ps(inv_scale(av)));
+                let mut i = 0;
+                while i < b {
+                    // m_code and v_code, their saturating subtraction as a clamp: a magnitude
+                    // raised to the window's bottom (`vrangeps`: the larger magnitude, sign
+                    // cleared) has bits of at least `base << 20`, so the rounding add can take
+                    // the base off at once, `(bits + 0x80000 - (base << 20)) >> 20`.
+                    let x = _mm512_mul_ps(_mm512_load_ps(tm.add(i)), rm);
+                    let a = _mm512_castps_si512(_mm512_range_ps::<0b1011>(x, mfloor));
+                    let cm = _mm512_srli_epi32::<20>(_mm512_add_epi32(a, mhalf));
+                    let cm =
+                        _mm512_ternarylogic_epi32::<0xf8>(cm, _mm512_srli_epi32::<24>(_mm512_castps_si512(x)), bit7);
+                    _mm_storeu_si128(qm.add(i) as *mut __m128i, _mm512_cvtepi32_epi8(cm));
+                    let x = _mm512_max_ps(_mm512_mul_ps(_mm512_load_ps(tv.add(i)), rv), vfloor);
+                    let cv = _mm512_srli_epi32::<20>(_mm512_add_epi32(_mm512_castps_si512(x), vhalf));
+                    _mm_storeu_si128(qv.add(i) as *mut __m128i, _mm512_cvtepi32_epi8(cv));
+                    i += 16;
+                }
+            }
+        }
+        blocks_tail_avx512(p, cp, g, s, c, full)
+    }
+
+    /// The portable body from block `done` on, compiled with FMA.
+    #[target_feature(enable = "avx512f,fma")]
+    fn blocks_tail_avx512<G: GradElem>(
+        p: &mut [f32],
+        cp: &mut [bf16],
+        g: &[G],
+        s: F8Slices<'_>,
+        c: &Coeffs,
+        done: usize,
+    ) {
+        blocks(p, cp, g, s, c, done)
+    }
+
+    /// The portable body compiled with AVX2 and FMA.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn blocks_avx2<G: GradElem>(
+        p: &mut [f32],
+        cp: &mut [bf16],
+        g: &[G],
+        s: F8Slices<'_>,
+        c: &Coeffs,
+    ) {
+        blocks(p, cp, g, s, c, 0)
+    }
+}
+
+/// Updates one tensor with `f8` state, and writes its bf16 copy when `cp` is given. Lengths must
+/// be consistent (checked by the caller).
+pub(crate) fn update_f8(
+    p: &mut [f32],
+    g: Grad<'_>,
+    s: F8Slices<'_>,
+    cp: Option<&mut [bf16]>,
+    c: &Coeffs,
+    pool: &ThreadPool,
+    path: KernelPath,
+) {
+    let b = s.block;
+    let bpt = (TASK / b).max(1);
+    let te = bpt * b;
+    let n = p.len();
+    let tasks = p
+        .chunks_mut(te)
+        .zip(copy_chunks(cp, te))
+        .zip(s.qm.chunks_mut(te))
+        .zip(s.qv.chunks_mut(te))
+        .zip(s.am.chunks_mut(bpt))
+        .zip(s.av.chunks_mut(bpt))
+        .enumerate();
+    type Task<'t> =
+        (usize, (((((&'t mut [f32], &'t mut [bf16]), &'t mut [u8]), &'t mut [u8]), &'t mut [f32]), &'t mut [f32]));
+    let work = |(i, (((((p, cp), qm), qv), am), av)): Task<'_>| {
+        let s = F8Slices { qm, qv, am, av, block: b };
+        match g.slice(i * te, p.len()) {
+            Grad::F32(g) => run(p, cp, g, s, c, path),
+            Grad::Bf16(g) => run(p, cp, g, s, c, path),
+        }
+    };
+    if n < PAR_MIN || pool.threads() == 1 {
+        tasks.for_each(work);
+    } else {
+        run_tasks(pool, tasks, work);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::AdamWConfig;
+    use crate::simd::simd_level;
+    use crate::testutil::SplitMix64;
+
+    fn coeffs(step: u64, scale: f32) -> Coeffs {
+        Coeffs::new(&AdamWConfig { lr: 1e-2, weight_decay: 0.1, ..Default::default() }, step, scale)
+    }
+
+    /// Values over 40 octaves, both signs, with exact zeros and ties of the rounding.
+    fn spread(rng: &mut SplitMix64, n: usize) -> Vec<f32> {
+        (0..n)
+            .map(|i| match i % 29 {
+                0 => 0.0,
+                // A tie: 3 kept mantissa bits, then exactly half a step.
+                1 => f32::from_bits((120 << 23) | (5 << 20) | 0x80000),
+                _ => (rng.uniform() - 0.5) * 2f32.powi(-((i % 41) as i32)),
+            })
+            .collect()
+    }
+
+    /// The f32 of the `q` that `x` rounds to, by the definition: the representable value nearest
+    /// to `|x|` with 3 mantissa bits, the larger one on a tie (in f64, exact for these values).
+    fn nearest_3bit(x: f32) -> f32 {
+        let a = x.abs() as f64;
+        if a == 0.0 {
+            return 0.0;
+        }
+        let e = a.log2().floor();
+        let step = 2f64.powf(e - 3.0);
+        let lo = (a / step).floor() * step;
+        let r = if a - lo >= step / 2.0 { lo + step } else { lo };
+        r as f32
+    }
+
+    #[test]
+    fn rounding_is_nearest_with_three_mantissa_bits() {
+        let mut rng = SplitMix64::new(11);
+        for x in spread(&mut rng, 20_000).into_iter().filter(|x| x.abs() >= f32::MIN_POSITIVE) {
+            let r = f32::from_bits(round_q(x.to_bits() & 0x7fff_ffff) << SHIFT);
+            assert_eq!(r, nearest_3bit(x), "{x:e}");
+            assert!((r - x.abs()).abs() <= x.abs() / 16.0, "{x:e} -> {r:e}");
+        }
+    }
+
+    /// A value reads back as its block's absmax times the normalized value rounded to 3 mantissa
+    /// bits, with its sign, down to 2^-16 of the absmax for `m` (below: 0) and 2^-32 for `v` (below:
+    /// 2^-32 of the absmax, never a smaller `v`); the absmax is the block's exact largest
+    /// magnitude; a zero block reads back as zeros; and a block scaled by `beta2` keeps its codes.
+    #[test]
+    fn codes_read_back_as_the_format_says() {
+        let mut rng = SplitMix64::new(12);
+        for _ in 0..50 {
+            let x = spread(&mut rng, 256);
+            let (mut cm, mut cv) = (vec![0u8; 256], vec![0u8; 256]);
+            let am = quantize_m(&x, &mut cm);
+            let vx: Vec<f32> = x.iter().map(|a| a * a).collect();
+            let av = quantize_v(&vx, &mut cv);
+            assert_eq!(am, x.iter().fold(0f32, |a, b| a.max(b.abs())));
+            assert_eq!(av, vx.iter().fold(0f32, |a, &b| a.max(b)));
+            let (mut m, mut v) = (vec![0f32; 256], vec![0f32; 256]);
+            dequantize_m(&cm, am, &mut m);
+            dequantize_v(&cv, av, &mut v);
+            let (rm, rv) = (1.0 / am, 1.0 / av);
+            // The windows' bottoms: codes 1 of `m` (1.25 * 2^-16) and 0 of `v` (1.125 * 2^-32).
+            let (m_floor, v_floor) = (m_value(1), v_value(0));
+            assert_eq!((m_floor, v_floor), (1.25 * 2f32.powi(-16), 1.125 * 2f32.powi(-32)));
+            for i in 0..256 {
+                let n = nearest_3bit(x[i] * rm);
+                let want = if n >= m_floor { n.copysign(x[i]) * am } else { 0.0 };
+                assert_eq!(m[i].abs(), want.abs(), "m {:e}", x[i]);
+                assert!(m[i] == 0.0 || m[i].signum() == x[i].signum(), "m {:e}: sign", x[i]);
+                let n = nearest_3bit(vx[i] * rv).max(v_floor);
+                assert_eq!(v[i], n * av, "v {:e}", vx[i]);
+            }
+            let mut again = vec![0u8; 256];
+            let b2 = AdamWConfig::default().beta2 as f32;
+            let decayed: Vec<f32> = vx.iter().map(|a| a * b2).collect();
+            assert_eq!(quantize_v(&decayed, &mut again), av * b2);
+            let moved = again.iter().zip(&cv).filter(|(a, b)| a != b).count();
+            assert!(moved <= 2, "{moved} codes moved under a uniform decay");
+        }
+        let (mut cm, mut cv) = (vec![9u8; 64], vec![9u8; 64]);
+        assert_eq!(quantize_m(&[0.0; 64], &mut cm), 0.0);
+        assert_eq!(quantize_v(&[0.0; 64], &mut cv), 0.0);
+        let (mut m, mut v) = (vec![1f32; 64], vec![1f32; 64]);
+        dequantize_m(&cm, 0.0, &mut m);
+        dequantize_v(&cv, 0.0, &mut v);
+        assert!(m.iter().chain(&v).all(|&x| x.to_bits() == 0));
+    }
+
+    type State = (Vec<f32>, Vec<u8>, Vec<u8>, Vec<f32>, Vec<f32>);
+
+    /// The whole update as a composition of the format's parts, on plain slices: the normalized
+    /// old values, AdamW in f32 (the operations of the dynamic-map kernel), `quantize_m/v`.
+    fn reference(st: &mut State, g: &[f32], b: usize, c: &Coeffs) {
+        let (p, qm, qv, am, av) = st;
+        for k in 0..am.len() {
+            let r = k * b..(k * b + b).min(p.len());
+            let n = r.len();
+            let (mut m, mut v) = (vec![0f32; n], vec![0f32; n]);
+            for (j, i) in r.clone().enumerate() {
+                m[j] = m_value(qm[i]).mul_add(am[k] * c.beta1, g[i] * c.gm);
+                v[j] = v_value(qv[i]).mul_add(av[k] * c.beta2, g[i] * c.gv * g[i]);
+                let denom = v[j].sqrt().mul_add(c.inv_bc2, c.eps);
+                p[i] = p[i].mul_add(c.decay, m[j] * c.neg_step / denom);
+            }
+            am[k] = quantize_m(&m, &mut qm[r.clone()]);
+            av[k] = quantize_v(&v, &mut qv[r]);
+        }
+    }
+
+    fn run_path(
+        path: KernelPath,
+        b: usize,
+        grad: Grad<'_>,
+        c: &Coeffs,
+        pool: &ThreadPool,
+        st: &State,
+    ) -> (State, Vec<bf16>) {
+        let (mut p, mut qm, mut qv, mut am, mut av) = st.clone();
+        let s = F8Slices { qm: &mut qm, qv: &mut qv, am: &mut am, av: &mut av, block: b };
+        update_f8(&mut p, grad, s, None, c, pool, path);
+        let plain = (p, qm, qv, am, av);
+        let (mut p, mut qm, mut qv, mut am, mut av) = st.clone();
+        let mut cp = vec![bf16::from_bits(0x5555); p.len()];
+        let s = F8Slices { qm: &mut qm, qv: &mut qv, am: &mut am, av: &mut av, block: b };
+        update_f8(&mut p, grad, s, Some(&mut cp), c, pool, path);
+        assert_eq!(
+            (&p, &qm, &qv, &am.iter().map(|x| x.to_bits()).collect::<Vec<_>>()),
+            (&plain.0, &plain.1, &plain.2, &plain.3.iter().map(|x| x.to_bits()).collect::<Vec<_>>()),
+            "{path:?}: the copy changed the update"
+        );
+        for (x, y) in p.iter().zip(&cp) {
+            assert_eq!(y.to_bits(), bf16::from_f32(*x).to_bits(), "{path:?}: copy of {x:e}");
+        }
+        (plain, cp)
+    }
+
+    /// Every bit of a state, for comparing states.
+    fn bits(s: &State) -> Vec<u32> {
+        let f = |v: &Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let c = |v: &Vec<u8>| v.iter().map(|&x| x as u32).collect::<Vec<_>>();
+        [f(&s.0), c(&s.1), c(&s.2), f(&s.3), f(&s.4)].concat()
+    }
+
+    /// Every kernel this CPU runs (the AVX-512 one, with each bf16 conversion, and the portable
+    /// body compiled for AVX2 and for no SIMD) gives the bits of the composition above, step after
+    /// step, for bf16 and f32 gradients, with and without the bf16 copy, for blocks the AVX-512
+    /// kernel takes (256, 64) and one it leaves to the portable body (48), and a short last block;
+    /// with clipping, zero and tiny gradients, and a subnormal weight for the copy.
+    #[test]
+    fn every_path_gives_the_composition_bits() {
+        let pool = ThreadPool::new(2).unwrap();
+        let mut paths = vec![KernelPath::plain(SimdLevel::Scalar)];
+        if simd_level() >= SimdLevel::Avx2 {
+            paths.push(KernelPath::plain(SimdLevel::Avx2));
+        }
+        if simd_level() >= SimdLevel::Avx512 {
+            paths.push(KernelPath::plain(SimdLevel::Avx512));
+            if crate::simd::has_avx512bf16() {
+                paths.push(KernelPath { bf16_hw: true, ..KernelPath::plain(SimdLevel::Avx512) });
+            }
+        }
+        let mut rng = SplitMix64::new(13);
+        for (b, n) in [(256usize, 256 * 300 + 100), (64, 64 * 9), (48, 48 * 7 + 5), (256, 70_000usize)] {
+            let nb = n.div_ceil(b);
+            let mut p: Vec<f32> = rng.uniform_vec(n).iter().map(|x| x - 0.5).collect();
+            p[3] = f32::from_bits(5); // subnormal: `vcvtneps2bf16` alone would read it as 0
+            let mut st: State = (p, vec![0; n], vec![0; n], vec![0.0; nb], vec![0.0; nb]);
+            for step in 1..=6u64 {
+                let mut g = spread(&mut rng, n);
+                if step == 4 {
+                    g[..b].iter_mut().for_each(|x| *x = 0.0); // a block with no gradient
+                }
+                let g16: Vec<bf16> = g.iter().map(|&x| bf16::from_f32(x)).collect();
+                let g16f: Vec<f32> = g16.iter().map(|x| x.to_f32()).collect();
+                let c = coeffs(step, if step % 2 == 0 { 0.5 } else { 1.0 });
+                let mut want32 = st.clone();
+                reference(&mut want32, &g, b, &c);
+                let mut want16 = st.clone();
+                reference(&mut want16, &g16f, b, &c);
+                for &path in &paths {
+                    let (got, _) = run_path(path, b, Grad::F32(&g), &c, &pool, &st);
+                    assert!(bits(&got) == bits(&want32), "{path:?}, block {b}, {n} params, step {step}, f32 grads");
+                    let (got, _) = run_path(path, b, Grad::Bf16(&g16), &c, &pool, &st);
+                    assert!(bits(&got) == bits(&want16), "{path:?}, block {b}, {n} params, step {step}, bf16 grads");
+                }
+                st = want32;
+            }
+            // The state moved: nonzero codes of both signs, and blocks of different maxima.
+            assert!(st.1.iter().any(|&c| c > 0x80) && st.1.iter().any(|&c| c > 0 && c < 0x80));
+            assert!(st.3.iter().any(|&a| a != st.3[0]));
+        }
+    }
+}
