@@ -10,8 +10,9 @@
 #   pipes, after a start-up lap so that neither times a step while the other starts up; each side
 #   waits TURN_SETTLE_MS, default 50, after taking the token: torch's OpenMP workers spin for a
 #   while after its turn and slowed lt's first step of each turn by 2-5 ms without it);
-# then, back to back:
-#   lt bench optimizer --optimizer adamw8bit --grad-dtype bf16 | f32
+# then the same pair with lt's f8 codes (--optimizer adamw8bit-f8, a second torch fused run taking
+# turns with it: the row "torch-fused/f8"); then, back to back:
+#   lt bench optimizer --optimizer adamw8bit --grad-dtype bf16 | f32, and adamw8bit-f8 bf16
 #   the same torch with PyTorch's huge-page allocation (--thp), as lt's host buffers use huge pages
 #   lt bench optimizer --optimizer adamw     --grad-dtype bf16 | f32
 #   bitsandbytes.optim.AdamW8bit on CPU (fewer steps: it runs at ~0.05 Gparam/s)
@@ -62,10 +63,11 @@ torch_run() {
 # at the same time. The pipes are held open here (read-write: no blocking open, no end-of-file).
 # If either side fails, the other would wait for the token for ever: stop it and fail.
 paired_run() {
-    local ring="$RING/$1"
+    local ring="$RING/$1-$2"
     mkfifo "$ring-lt" "$ring-torch"
     exec 3<>"$ring-lt" 4<>"$ring-torch"
-    lt_run adamw8bit bf16 bf16 --turns "$ring-lt,$ring-torch" --turn-steps "$TURN_STEPS" \
+    echo "{\"pair\": \"$2\"}" >> "$OUT"
+    lt_run "$2" bf16 bf16 --turns "$ring-lt,$ring-torch" --turn-steps "$TURN_STEPS" \
         --turn-settle-ms "$TURN_SETTLE_MS" &
     local lt_pid=$!
     torch_run torch-fused --turns "$ring-torch,$ring-lt" --turn-steps "$TURN_STEPS" \
@@ -89,9 +91,12 @@ paired_run() {
 for r in $(seq 1 "$REPEATS"); do
     echo "round $r/$REPEATS" >&2
     echo "{\"round\": $r}" >> "$OUT"
-    paired_run "$r"
+    paired_run "$r" adamw8bit
+    paired_run "$r" adamw8bit-f8
+    echo '{"pair": null}' >> "$OUT"
     lt_run adamw8bit bf16 none
     lt_run adamw8bit f32 none
+    lt_run adamw8bit-f8 bf16 none
     torch_run torch-fused --thp
     lt_run adamw bf16 none
     lt_run adamw f32 none
@@ -109,21 +114,28 @@ sed -n 's/.*; host /host: /p' "$HUMAN" | tail -n 1
 python3 - "$OUT" <<'PY'
 import json, statistics, sys
 lines = [json.loads(l) for l in open(sys.argv[1]) if l.strip().startswith("{")]
-rows = [r for r in lines if "round" not in r]
+rows = [r for r in lines if "round" not in r and "pair" not in r]
 groups = {}
 rounds = []
+pair = None
 for r in lines:
     if "round" in r:
         rounds.append({})
         continue
+    if "pair" in r:
+        pair = r["pair"]
+        continue
     key = (r["optimizer"], r["grad_dtype"], r.get("write_copy", "none"))
+    # torch fused taking turns with the f8 update is its own row; with adamw8bit, the baseline.
+    if r["optimizer"] == "torch-fused" and pair == "adamw8bit-f8":
+        key = ("torch-fused/f8", *key[1:])
     groups.setdefault(key, []).append(r)
     if rounds:
         rounds[-1][key] = r["gparams_per_s"]
 med = {k: statistics.median(x["gparams_per_s"] for x in v) for k, v in groups.items()}
 base_key = ("torch-fused", "f32", "none")
 base = med.get(base_key)
-kernel = next((x.get("kernel") for x in rows if x.get("kernel")), "n/a")
+kernel = next((x.get("kernel") for x in rows if x.get("kernel") and x["optimizer"] == "adamw8bit"), "n/a")
 print(f"lt 8-bit kernel: {kernel}")
 print(f"{'optimizer':<15} {'grads':<5} {'copy':<5} {'runs':>4} {'Gparam/s':>9} {'min..max':>13} {'x torch fused':>13} "
       f"{'B/param moved':>13} {'GB/s':>6} {'state B/param':>13}")
@@ -134,13 +146,18 @@ for key, v in sorted(groups.items(), key=lambda kv: -med[kv[0]]):
     print(f"{name:<15} {dt:<5} {cp:<5} {len(v):>4} {med[key]:>9.3f} {min(g):>6.3f}..{max(g):<6.3f} {ratio:>13} "
           f"{v[0]['bytes_per_param']:>13.2f} {med[key] * v[0]['bytes_per_param']:>6.1f} "
           f"{statistics.median(x['state_bytes_per_param'] for x in v):>13.3f}")
-print("per round, x torch fused of the same round (the 8-bit update with the copy took turns with it):")
+print("per round, x torch fused of the same round (each 8-bit update with the copy took turns with a torch fused run;")
+print("adamw8bit: bitsandbytes' dynamic maps, the acceptance figure; adamw8bit-f8: the f8 codes):")
 for i, r in enumerate(rounds, 1):
     t = r.get(base_key)
     if not t:
         continue
     cells = [f"{n} {dt}{' + copy' if cp == 'bf16' else ''} {r[(n, dt, cp)] / t:.2f}x"
              for (n, dt, cp) in sorted(r) if n == "adamw8bit"]
+    t8 = r.get(("torch-fused/f8", "f32", "none"))
+    f8 = r.get(("adamw8bit-f8", "bf16", "bf16"))
+    if t8 and f8:
+        cells.append(f"adamw8bit-f8 bf16 + copy {f8 / t8:.2f}x (its own pair)")
     thp = r.get(("torch-fused-thp", "f32", "none"))
     acc = r.get(("adamw8bit", "bf16", "bf16"))
     if thp and acc:

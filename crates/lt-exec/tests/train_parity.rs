@@ -192,7 +192,11 @@ fn adamw8bit_converges_like_adamw() {
         last
     };
     let fp32 = run(OptimizerKind::AdamW);
-    let q8 = run(OptimizerKind::AdamW8bit(lt_optim::Quant8Config { block_size: 256, min_8bit_numel: 256 }));
+    let q8 = run(OptimizerKind::AdamW8bit(lt_optim::Quant8Config {
+        block_size: 256,
+        min_8bit_numel: 256,
+        ..Default::default()
+    }));
     assert!(fp32 < 2.0, "fp32 run must actually learn (loss {fp32})");
     assert!(((q8 - fp32) / fp32).abs() <= 0.02, "8-bit {q8} vs fp32 {fp32}");
 }

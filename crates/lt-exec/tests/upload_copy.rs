@@ -122,7 +122,7 @@ fn training_from_the_copy_is_bit_identical_to_converting_at_each_upload() {
         let cases = [
             ("keep-all", Step::keep_all(layers), OptimizerKind::adamw8bit(), true),
             ("recompute-all", Step::recompute_all(layers), OptimizerKind::AdamW, true),
-            ("all-host", Step::all_in(layers, Placement::Host), OptimizerKind::adamw8bit(), false),
+            ("all-host", Step::all_in(layers, Placement::Host), OptimizerKind::adamw8bit_f8(), false),
         ];
         for (pname, plan, optimizer, overlap) in cases {
             let opts = options(optimizer, overlap);
@@ -144,8 +144,8 @@ fn training_from_the_copy_is_bit_identical_to_converting_at_each_upload() {
 /// Keeping a bf16 device's layer gradients in bf16 as they land changes where they are kept, not
 /// what the optimizer computes: against widening them into fp32 buffers (`LT_BF16_GRADS=0`), the
 /// same losses, gradient norms (the clip scale) and masters, bit for bit, every step, with one
-/// micro-batch per step (kept in bf16) and with four (widened at the second landing), both
-/// optimizers, three plans.
+/// micro-batch per step (kept in bf16) and with four (widened at the second landing), the three
+/// optimizers (8-bit with each codes), three plans.
 #[test]
 fn bf16_gradients_train_bit_identically_to_fp32_gradient_buffers() {
     for name in ["qwen3-tied-mqa", "qwen2-untied-mqa", "qwen35-hybrid"] {
@@ -158,7 +158,7 @@ fn bf16_gradients_train_bit_identically_to_fp32_gradient_buffers() {
         let cases = [
             ("keep-all", Step::keep_all(layers), OptimizerKind::adamw8bit(), true),
             ("recompute-all", Step::recompute_all(layers), OptimizerKind::AdamW, false),
-            ("all-host", Step::all_in(layers, Placement::Host), OptimizerKind::adamw8bit(), true),
+            ("all-host", Step::all_in(layers, Placement::Host), OptimizerKind::adamw8bit_f8(), true),
         ];
         for (pname, plan, optimizer, overlap) in cases {
             let opts = options(optimizer, overlap);

@@ -14,12 +14,11 @@ use lt_exec::state::SharedModel;
 use lt_exec::train::{StepMetrics, TrainOptions, Trainer};
 use lt_model::host::HostModel;
 use lt_model::weights::DeviceModel;
-use lt_optim::OptimizerKind;
 use lt_storage::checkpoint::{CheckpointStore, Retention, Verify};
 use lt_storage::export::ExportDtype;
 use serde::Serialize;
 
-use crate::config::{OptimizerChoice, RunConfig, RunSettings};
+use crate::config::{RunConfig, RunSettings};
 use crate::data::{Inputs, to_micro_batches};
 use crate::device::DeviceChoice;
 use crate::observe::{Event, MetricsFile, Observer, Pictures};
@@ -235,7 +234,17 @@ fn resume(s: &RunSettings, mut host: HostModel, obs: &mut Observers) -> Result<R
     }
     match found.and_then(|f| f.checkpoint) {
         Some(ck) => {
-            optim = Some(persist::load_checkpoint(&ck, &mut host)?);
+            let opt = persist::load_checkpoint(&ck, &mut host)?;
+            // The state decides: its moments are in the checkpoint's format.
+            if opt.kind().name() != s.optimizer.name() {
+                obs.emit(&Event::Warning(&format!(
+                    "{}: the checkpoint's optimizer state is {}; training continues with it, not with {}",
+                    ck.path().display(),
+                    opt.kind().name(),
+                    s.optimizer.name()
+                )))?;
+            }
+            optim = Some(opt);
             completed = ck.step();
             batcher = ck.meta().get("batcher").cloned().map(serde_json::from_value).transpose()?;
             obs.emit(&Event::Note(&format!("resumed from {} (step {completed})", ck.path().display())))?;
@@ -274,10 +283,7 @@ fn batcher(
 fn train_options(s: &RunSettings, chosen: &ChosenPlan) -> TrainOptions {
     TrainOptions {
         adamw: s.adamw,
-        optimizer: match s.optimizer {
-            OptimizerChoice::Adamw => OptimizerKind::AdamW,
-            OptimizerChoice::Adamw8bit => OptimizerKind::adamw8bit(),
-        },
+        optimizer: s.optimizer.kind(),
         warmup_steps: s.warmup_steps,
         schedule: s.schedule,
         total_steps: s.steps,

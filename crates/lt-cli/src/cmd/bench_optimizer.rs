@@ -34,8 +34,8 @@ use clap::ValueEnum;
 use lt_core::HostCpu;
 use lt_core::hostmem::{huge_collect, huge_vec};
 use lt_optim::{
-    AdamW, AdamWConfig, Grad, OptimizerKind, Quant8Config, StepOutcome, ThreadPool, bf16, fill_bf16, q8_kernel_name,
-    simd_level,
+    AdamW, AdamWConfig, Grad, OptimizerKind, Q8Codes, Quant8Config, StepOutcome, ThreadPool, bf16, fill_bf16,
+    q8_kernel_name, simd_level,
 };
 
 /// Which optimizer to benchmark.
@@ -43,8 +43,11 @@ use lt_optim::{
 pub enum BenchOptimizer {
     /// fp32 moments (PyTorch's AdamW arithmetic).
     Adamw,
-    /// 8-bit block-wise moments.
+    /// 8-bit block-wise moments, bitsandbytes' dynamic maps.
     Adamw8bit,
+    /// 8-bit block-wise moments, the f8 codes (small floats found by integer rounding).
+    #[value(name = "adamw8bit-f8")]
+    Adamw8bitF8,
 }
 
 /// Gradient element type handed to the optimizer.
@@ -242,6 +245,9 @@ fn optimizer_kind(args: &BenchOptimizerArgs) -> OptimizerKind {
         BenchOptimizer::Adamw8bit => {
             OptimizerKind::AdamW8bit(Quant8Config { block_size: args.block, ..Default::default() })
         }
+        BenchOptimizer::Adamw8bitF8 => {
+            OptimizerKind::AdamW8bit(Quant8Config { block_size: args.block, codes: Q8Codes::F8, ..Default::default() })
+        }
     }
 }
 
@@ -337,7 +343,10 @@ fn report(args: &BenchOptimizerArgs, kind: OptimizerKind, times: &[f64], state_b
         WriteCopy::Bf16 => "bf16",
     };
     // The 8-bit kernel family (the fp32 kernels are auto-vectorised at the same SIMD level).
-    let kernel = if matches!(kind, OptimizerKind::AdamW8bit(_)) { q8_kernel_name() } else { simd_level().name() };
+    let kernel = match kind {
+        OptimizerKind::AdamW8bit(q) if q.codes == Q8Codes::Dynamic => q8_kernel_name(),
+        _ => simd_level().name(),
+    };
     // A host speed: it holds for this CPU only, so the CPU is named next to it.
     let host = HostCpu::detect();
     let turns = if args.turns.is_some() { format!(", in turns of {} steps", args.turn_steps) } else { String::new() };

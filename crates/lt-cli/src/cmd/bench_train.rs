@@ -30,7 +30,6 @@ use lt_exec::state::SharedModel;
 use lt_exec::train::{LrSchedule, StepMetrics, TrainOptions, Trainer};
 use lt_model::host::HostModel;
 use lt_model::model::Batch;
-use lt_optim::OptimizerKind;
 use lt_sched::cost::{AttentionKernel, CostOptions, ExecConfig, Instance};
 
 use lt_run::{ChosenPlan, DeviceChoice, OptimizerChoice, Policy, RunConfig, RunSettings, choose_plan, executor_for};
@@ -402,10 +401,7 @@ fn bench_on<B: AutodiffBackend>(
     }
     let opts = TrainOptions {
         adamw: s.adamw,
-        optimizer: match s.optimizer {
-            OptimizerChoice::Adamw => OptimizerKind::AdamW,
-            OptimizerChoice::Adamw8bit => OptimizerKind::adamw8bit(),
-        },
+        optimizer: s.optimizer.kind(),
         warmup_steps: 0,
         schedule: LrSchedule::Constant,
         total_steps: s.steps,

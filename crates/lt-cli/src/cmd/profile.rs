@@ -37,7 +37,7 @@ use clap::ValueEnum;
 use lt_core::ModelConfig;
 use lt_core::hardware::{BuiltinProfile, HardwareProfile};
 use lt_core::{ByteSize, HostCpu};
-use lt_optim::{AdamW, AdamWConfig, Grad, OptimizerKind, StepOutcome, ThreadPool};
+use lt_optim::{AdamW, AdamWConfig, Grad, StepOutcome, ThreadPool};
 use lt_sched::cost::{CostOptions, ExecConfig, Instance};
 use lt_storage::spill::{SpillBuf, SpillConfig, SpillStore, Ticket};
 
@@ -271,6 +271,7 @@ struct Measured {
     disk_o_direct: Option<bool>,
     disk_bytes: Option<u64>,
     adamw8bit_gparams_per_s: Option<f64>,
+    adamw8bit_f8_gparams_per_s: Option<f64>,
     adamw_gparams_per_s: Option<f64>,
     optimizer_params: Option<usize>,
     optimizer_threads: Option<usize>,
@@ -368,11 +369,12 @@ fn measure_disk(args: &ProfileArgs, sizes: &Sizes, m: &mut Measured, say: &dyn F
 /// The host optimizer throughput of both AdamW variants, recorded in `m` and reported; `bf16` for a
 /// bf16 device (see [`optimizer_speed`]).
 fn measure_optimizers(sizes: &Sizes, threads: usize, bf16: bool, m: &mut Measured, say: &dyn Fn(String)) -> Result<()> {
-    for kind in [OptimizerChoice::Adamw8bit, OptimizerChoice::Adamw] {
-        let g = optimizer_speed(kind, sizes.optimizer_params, threads, bf16)?;
+    for kind in [OptimizerChoice::Adamw8bit, OptimizerChoice::Adamw8bitF8, OptimizerChoice::Adamw] {
+        let g = Some(optimizer_speed(kind, sizes.optimizer_params, threads, bf16)?);
         match kind {
-            OptimizerChoice::Adamw8bit => m.adamw8bit_gparams_per_s = Some(g),
-            OptimizerChoice::Adamw => m.adamw_gparams_per_s = Some(g),
+            OptimizerChoice::Adamw8bit => m.adamw8bit_gparams_per_s = g,
+            OptimizerChoice::Adamw8bitF8 => m.adamw8bit_f8_gparams_per_s = g,
+            OptimizerChoice::Adamw => m.adamw_gparams_per_s = g,
         }
     }
     m.optimizer_params = Some(sizes.optimizer_params);
@@ -380,12 +382,23 @@ fn measure_optimizers(sizes: &Sizes, threads: usize, bf16: bool, m: &mut Measure
     let io = if bf16 { "bf16 gradients, bf16 upload copy written" } else { "fp32 gradients" };
     m.optimizer_io = Some(io);
     say(format!(
-        "host optimizer ({} params, {threads} threads, {io}): adamw8bit {:.3} Gparam/s, adamw {:.3} Gparam/s",
+        "host optimizer ({} params, {threads} threads, {io}): adamw8bit {:.3} Gparam/s, adamw8bit-f8 {:.3} \
+         Gparam/s, adamw {:.3} Gparam/s",
         sizes.optimizer_params,
         m.adamw8bit_gparams_per_s.unwrap_or(0.0),
+        m.adamw8bit_f8_gparams_per_s.unwrap_or(0.0),
         m.adamw_gparams_per_s.unwrap_or(0.0)
     ));
     Ok(())
+}
+
+/// The measured throughput of `kind`, if measured.
+fn optimizer_measured(m: &Measured, kind: OptimizerChoice) -> Option<f64> {
+    match kind {
+        OptimizerChoice::Adamw8bit => m.adamw8bit_gparams_per_s,
+        OptimizerChoice::Adamw8bitF8 => m.adamw8bit_f8_gparams_per_s,
+        OptimizerChoice::Adamw => m.adamw_gparams_per_s,
+    }
 }
 
 /// Prints the one-line summary of the written profile, or with `--json` the JSON line instead.
@@ -817,10 +830,7 @@ fn disk(dir: &Path, sizes: &Sizes, m: &mut Measured) -> Result<()> {
 /// gradients, as a decoder layer's land without accumulation, and the bf16 upload copy written in
 /// the same pass.
 fn optimizer_speed(kind: OptimizerChoice, n: usize, threads: usize, bf16: bool) -> Result<f64> {
-    let kind = match kind {
-        OptimizerChoice::Adamw => OptimizerKind::AdamW,
-        OptimizerChoice::Adamw8bit => OptimizerKind::adamw8bit(),
-    };
+    let kind = kind.kind();
     let cfg = AdamWConfig { max_grad_norm: Some(1.0), ..Default::default() };
     let mut opt = AdamW::new(cfg, kind).context("creating the optimizer")?;
     opt.add_group("profile", &[("w", n)]).context("registering the parameter group")?;
@@ -1099,10 +1109,7 @@ fn linear_efficiency_field(p: &mut HardwareProfile, out: &mut ProfileToml, m: &M
 
 /// `optimizer_gparams_per_s`: the measured throughput of the `--optimizer` variant.
 fn optimizer_field(p: &mut HardwareProfile, out: &mut ProfileToml, args: &ProfileArgs, m: &Measured, from_base: &str) {
-    let opt = match args.optimizer {
-        OptimizerChoice::Adamw8bit => m.adamw8bit_gparams_per_s,
-        OptimizerChoice::Adamw => m.adamw_gparams_per_s,
-    };
+    let opt = optimizer_measured(m, args.optimizer);
     match opt {
         Some(g) => {
             p.optimizer_gparams_per_s = g;
@@ -1110,15 +1117,14 @@ fn optimizer_field(p: &mut HardwareProfile, out: &mut ProfileToml, args: &Profil
                 "optimizer_gparams_per_s",
                 format!("{g:?}"),
                 format!(
-                    "measured: lt-optim {} update, {} params, {} threads, {} (adamw8bit {:.3}, adamw {:.3} Gparam/s)",
-                    match args.optimizer {
-                        OptimizerChoice::Adamw8bit => "adamw8bit",
-                        OptimizerChoice::Adamw => "adamw",
-                    },
+                    "measured: lt-optim {} update, {} params, {} threads, {} (adamw8bit {:.3}, adamw8bit-f8 {:.3}, \
+                     adamw {:.3} Gparam/s)",
+                    args.optimizer.name(),
                     m.optimizer_params.unwrap_or(0),
                     m.optimizer_threads.unwrap_or(0),
                     m.optimizer_io.unwrap_or("fp32 gradients"),
                     m.adamw8bit_gparams_per_s.unwrap_or(0.0),
+                    m.adamw8bit_f8_gparams_per_s.unwrap_or(0.0),
                     m.adamw_gparams_per_s.unwrap_or(0.0)
                 ),
             );
