@@ -51,13 +51,11 @@ fn the_planner_counts_exactly_the_host_bytes_the_trainer_keeps() {
     for (name, host) in models {
         let cfg = host.config.clone();
         let params = cfg.total_params() as u64;
-        for (optimizer, state) in
-            [
-                (OptimizerKind::adamw8bit(), OptimizerState::Blockwise8bit),
-                (OptimizerKind::adamw8bit_f8(), OptimizerState::Blockwise8bit),
-                (OptimizerKind::AdamW, OptimizerState::Fp32),
-            ]
-        {
+        for (optimizer, state) in [
+            (OptimizerKind::adamw8bit(), OptimizerState::Blockwise8bit),
+            (OptimizerKind::adamw8bit_f8(), OptimizerState::Blockwise8bit),
+            (OptimizerKind::AdamW, OptimizerState::Fp32),
+        ] {
             // (upload dtype, its bytes: the planner's compute dtype)
             for (dtype, d) in [(DType::BF16, 2usize), (DType::F32, 4)] {
                 for accum in [1u32, 3] {

@@ -237,7 +237,7 @@ mod x86 {
     use half::bf16;
 
     use super::*;
-    use crate::kernels::x86::{PREFETCH_AHEAD, Scratch, prefetch_copy64, prefetch64, store_bf16x32};
+    use crate::kernels::x86::{PREFETCH_AHEAD, Scratch, prefetch_copy64, prefetch64, store_bf16x8, store_bf16x32};
 
     /// Whole blocks with AVX-512 (16 lanes, the operations of `block` lane for lane), then the
     /// short last block, if any, with the portable body.
@@ -364,10 +364,13 @@ mod x86 {
         blocks(p, cp, g, s, c, done)
     }
 
-    /// The portable body compiled with AVX2 and FMA.
+    /// Whole blocks with AVX2 (8 lanes, the operations of `block` lane for lane), then the short
+    /// last block, if any, with the portable body.
     ///
     /// # Safety
-    /// The CPU must support AVX2 and FMA.
+    /// The CPU must support AVX2 and FMA; `s.block` must be a multiple of 8 (blocks are multiples
+    /// of 16: `Quant8Config::validate`); `cp` empty or as long as `p`, and the state as long as `p`
+    /// needs.
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn blocks_avx2<G: GradElem>(
         p: &mut [f32],
@@ -376,7 +379,105 @@ mod x86 {
         s: F8Slices<'_>,
         c: &Coeffs,
     ) {
-        blocks(p, cp, g, s, c, 0)
+        let b = s.block;
+        let full = p.len() / b;
+        let copy = !cp.is_empty();
+        let mut t = Scratch([MaybeUninit::<f32>::uninit(); 2 * MAX_BLOCK]);
+        let (tm, tv) = t.0.split_at_mut(MAX_BLOCK);
+        let (tm, tv) = (tm.as_mut_ptr() as *mut f32, tv.as_mut_ptr() as *mut f32);
+        let (gm, gv) = (_mm256_set1_ps(c.gm), _mm256_set1_ps(c.gv));
+        let (inv_bc2, eps, neg_step, decay) =
+            (_mm256_set1_ps(c.inv_bc2), _mm256_set1_ps(c.eps), _mm256_set1_ps(c.neg_step), _mm256_set1_ps(c.decay));
+        let low7 = _mm256_set1_epi32(0x7f);
+        let sign = _mm256_set1_epi32(i32::MIN);
+        let abs = _mm256_set1_epi32(0x7fff_ffff);
+        let bit7 = _mm256_set1_epi32(0x80);
+        let (mbase, vbase) = (_mm256_set1_epi32(M_BASE as i32), _mm256_set1_epi32(V_BASE as i32));
+        let (mfloor, vfloor) =
+            (_mm256_set1_ps(f32::from_bits(M_BASE << SHIFT)), _mm256_set1_ps(f32::from_bits(V_BASE << SHIFT)));
+        let mhalf = _mm256_set1_epi32(0x80000u32.wrapping_sub(M_BASE << SHIFT) as i32);
+        let vhalf = _mm256_set1_epi32(0x80000u32.wrapping_sub(V_BASE << SHIFT) as i32);
+        for k in 0..full {
+            let lo = k * b;
+            // SAFETY: block k lies within every slice (`full` whole blocks of `p`; the state and
+            // a non-empty copy are as long as `p`); the scratch holds MAX_BLOCK >= b per moment.
+            unsafe {
+                let (pp, gp, qm, qv) =
+                    (p.as_mut_ptr().add(lo), g.as_ptr().add(lo), s.qm.as_mut_ptr().add(lo), s.qv.as_mut_ptr().add(lo));
+                let am_b1 = _mm256_set1_ps(s.am[k] * c.beta1);
+                let av_b2 = _mm256_set1_ps(s.av[k] * c.beta2);
+                let (mut mx, mut vx) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+                let mut i = 0;
+                while i < b {
+                    let gr = G::load8(gp.add(i));
+                    // m_value, as in the AVX-512 kernel; the zero test by a compare.
+                    let cm = _mm256_cvtepi8_epi32(_mm_loadl_epi64(qm.add(i) as *const __m128i));
+                    let c7 = _mm256_and_si256(cm, low7);
+                    let nz = _mm256_cmpgt_epi32(c7, _mm256_setzero_si256());
+                    let mag = _mm256_and_si256(_mm256_slli_epi32::<20>(_mm256_add_epi32(c7, mbase)), nz);
+                    let m0 = _mm256_or_si256(mag, _mm256_and_si256(cm, sign));
+                    let cv = _mm256_cvtepu8_epi32(_mm_loadl_epi64(qv.add(i) as *const __m128i));
+                    let v0 = _mm256_slli_epi32::<20>(_mm256_add_epi32(cv, vbase));
+                    let m1 = _mm256_fmadd_ps(_mm256_castsi256_ps(m0), am_b1, _mm256_mul_ps(gr, gm));
+                    let v1 = _mm256_fmadd_ps(_mm256_castsi256_ps(v0), av_b2, _mm256_mul_ps(_mm256_mul_ps(gr, gv), gr));
+                    let denom = _mm256_fmadd_ps(_mm256_sqrt_ps(v1), inv_bc2, eps);
+                    let step = _mm256_div_ps(_mm256_mul_ps(m1, neg_step), denom);
+                    let pn = _mm256_fmadd_ps(_mm256_loadu_ps(pp.add(i)), decay, step);
+                    _mm256_storeu_ps(pp.add(i), pn);
+                    if copy {
+                        store_bf16x8(cp.as_mut_ptr().add(lo + i), pn);
+                    }
+                    _mm256_store_ps(tm.add(i), m1);
+                    _mm256_store_ps(tv.add(i), v1);
+                    mx = _mm256_max_ps(mx, _mm256_castsi256_ps(_mm256_and_si256(_mm256_castps_si256(m1), abs)));
+                    vx = _mm256_max_ps(vx, v1);
+                    i += 8;
+                }
+                let (am, av) = (max8(mx), max8(vx));
+                s.am[k] = am;
+                s.av[k] = av;
+                let (rm, rv) = (_mm256_set1_ps(inv_scale(am)), _mm256_set1_ps(inv_scale(av)));
+                let mut i = 0;
+                while i < b {
+                    // m_code and v_code as in the AVX-512 kernel, the clamp by a maximum.
+                    let x = _mm256_mul_ps(_mm256_load_ps(tm.add(i)), rm);
+                    let a = _mm256_max_ps(_mm256_castsi256_ps(_mm256_and_si256(_mm256_castps_si256(x), abs)), mfloor);
+                    let cm = _mm256_srli_epi32::<20>(_mm256_add_epi32(_mm256_castps_si256(a), mhalf));
+                    let cm =
+                        _mm256_or_si256(cm, _mm256_and_si256(_mm256_srli_epi32::<24>(_mm256_castps_si256(x)), bit7));
+                    store_bytes8(qm.add(i), cm);
+                    let x = _mm256_max_ps(_mm256_mul_ps(_mm256_load_ps(tv.add(i)), rv), vfloor);
+                    store_bytes8(qv.add(i), _mm256_srli_epi32::<20>(_mm256_add_epi32(_mm256_castps_si256(x), vhalf)));
+                    i += 8;
+                }
+            }
+        }
+        blocks(p, cp, g, s, c, full)
+    }
+
+    /// The largest of 8 lanes (no NaN).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn max8(x: __m256) -> f32 {
+        let m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps::<1>(x));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps::<0b01>(m, m)))
+    }
+
+    /// Stores 8 i32 lanes in 0..=255 as 8 bytes at `dst`.
+    ///
+    /// # Safety
+    /// `dst` must be valid for writing 8 bytes.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn store_bytes8(dst: *mut u8, x: __m256i) {
+        // Every lane fits a byte, so the saturating packs are exact: each 128-bit lane ends with
+        // its 4 results in its first 4 bytes.
+        let w = _mm256_packus_epi32(x, x);
+        let b = _mm256_packus_epi16(w, w);
+        let lo = _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256::<1>(b));
+        // SAFETY: the caller guarantees 8 writable bytes.
+        unsafe { _mm_storel_epi64(dst as *mut __m128i, lo) }
     }
 }
 

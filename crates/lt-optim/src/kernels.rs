@@ -976,7 +976,7 @@ pub(crate) mod x86 {
     /// `dst` must be valid for writing 8 elements, and the CPU must support AVX2.
     #[inline]
     #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn store_bf16x8(dst: *mut bf16, x: __m256) {
+    pub(crate) unsafe fn store_bf16x8(dst: *mut bf16, x: __m256) {
         let b = _mm256_castps_si256(x);
         let top = _mm256_srli_epi32::<16>(b);
         // Both sides are below 2^31, so the signed compare is the unsigned one.
