@@ -12,16 +12,18 @@
 //!   away from zero, on its f32 bits: `q = (bits + 0x80000) >> 20`, the rounded value's exponent
 //!   and top 3 mantissa bits (`q << 20` are its f32 bits). Every rounded value is within 2^-4
 //!   (6.25%) of the value, relative.
-//! - **`m` (signed).** Code = sign (bit 7) | `c`, `c = q - q(2^-16)`, saturating at 0, and `c = 0`
-//!   meaning zero: 127 steps of an eighth of an octave from `|m| / absmax = 1` down to 2^-16;
+//! - **`m` (signed).** Code = sign (bit 7) | `c`, `c = q - M_BASE`, saturating at 0, and `c = 0`
+//!   meaning zero: 127 steps of an eighth of an octave from `|m| / absmax = 1` down to 1.25 * 2^-16;
 //!   smaller values flush to zero (a smaller step, never a larger one). This is FP8 E4M3 without
 //!   subnormals.
-//! - **`v` (unsigned).** Code = `q - q(2^-32)`, saturating at 0: 255 steps from 1 down to 2^-32
-//!   (2^-16 in `sqrt(v)`, what the update divides by); smaller values read as 2^-32 of the absmax (a
+//! - **`v` (unsigned).** Code = `q - V_BASE`, saturating at 0: 255 steps from 1 down to 1.125 * 2^-32
+//!   (about 2^-16 in `sqrt(v)`, what the update divides by); smaller values read as that bottom (a
 //!   larger `v`: a smaller step, never a larger one). A zero block reads as zeros.
 //!
 //! The absmax is the block's exact largest magnitude, as in bitsandbytes: a block whose values all
-//! decay by `beta2` codes the same and reads back `beta2` smaller (a rounded scale would not move).
+//! decay by `beta2` keeps its codes (but for a rounding at the edge of a step) and reads back `beta2`
+//! smaller. (With a rounded, power-of-two scale the codes of a slowly decaying block never moved,
+//! and the optimizer did measurably worse: `f8_codes_optimize_within_bounds_of_fp32`.)
 //! Against the dynamic maps: the same 2 bytes per parameter plus two f32 per block; each value to
 //! 3.1-6.25% (the dynamic maps: 0.7% near the block's absmax, 7% at a tenth of it, coarser below).
 //! This is the FP8 idea (torchao's `AdamWFp8` keeps both moments in E4M3 with block scales).
@@ -30,8 +32,8 @@
 //! `m1 = m0n * (absmax_m * beta1) + g * (scale * (1 - beta1))` with `m0n` the normalized old value,
 //! `v1 = v0n * (absmax_v * beta2) + g * (scale^2 * (1 - beta2)) * g`,
 //! `p = p * decay + m1 * (-lr / bc1) / (sqrt(v1) / sqrt(bc2) + eps)`, then `m1 * (1 / absmax)`
-//! coded; only the codes differ. The portable body below is the definition; the AVX-512 kernel
-//! (`x86`) does the same operations lane for lane, and every operation is exact or correctly
+//! coded; only the codes differ. The portable body below is the definition; the AVX-512 and AVX2
+//! kernels (`x86`) do the same operations lane for lane, and every operation is exact or correctly
 //! rounded (integer operations, `mul_add`, `sqrt`, division), so every path gives the same bits.
 
 use half::bf16;
@@ -48,9 +50,9 @@ use crate::simd::SimdLevel;
 const SHIFT: u32 = 20;
 /// `q` of 1.0, the largest normalized magnitude.
 const ONE_Q: u32 = 127 << 3;
-/// `q` of `m`'s code 0 (2^-16: code `c` is `q = M_BASE + c`, up to 127).
+/// `q` of `m`'s code 0 (1.125 * 2^-16): code `c` is `q = M_BASE + c`, up to 127 (1.0).
 const M_BASE: u32 = ONE_Q - 127;
-/// `q` of `v`'s code 0 (2^-32: code `c` is `q = V_BASE + c`, up to 255).
+/// `q` of `v`'s code 0 (1.125 * 2^-32): code `c` is `q = V_BASE + c`, up to 255 (1.0).
 const V_BASE: u32 = ONE_Q - 255;
 
 /// `|x|`'s bits (`abs_bits`: `x`'s without the sign) rounded to 3 mantissa bits, to nearest, ties
@@ -348,20 +350,7 @@ mod x86 {
                 }
             }
         }
-        blocks_tail_avx512(p, cp, g, s, c, full)
-    }
-
-    /// The portable body from block `done` on, compiled with FMA.
-    #[target_feature(enable = "avx512f,fma")]
-    fn blocks_tail_avx512<G: GradElem>(
-        p: &mut [f32],
-        cp: &mut [bf16],
-        g: &[G],
-        s: F8Slices<'_>,
-        c: &Coeffs,
-        done: usize,
-    ) {
-        blocks(p, cp, g, s, c, done)
+        blocks(p, cp, g, s, c, full)
     }
 
     /// Whole blocks with AVX2 (8 lanes, the operations of `block` lane for lane), then the short
