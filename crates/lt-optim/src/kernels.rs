@@ -1396,7 +1396,7 @@ pub(crate) mod x86 {
     /// (`prefetchw`): the copy is only ever stored to, so without this every line's
     /// read-for-ownership missed when the store retired and the store buffer filled up.
     #[inline(always)]
-    pub(crate) fn prefetch_copy64(o: usize, cp: *const bf16) {
+    fn prefetch_copy64(o: usize, cp: *const bf16) {
         let b = cp.wrapping_add(o) as *const i8;
         // SAFETY: a prefetch is a hint: it never faults and reads nothing into the program.
         unsafe {
