@@ -74,23 +74,14 @@ pub struct Quant8Config {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Q8Codes {
     /// bitsandbytes' dynamic maps (signed for `m`, unsigned for `v`), the exact nearest entry, one
-    /// f32 absmax per block: bitsandbytes' `AdamW8bit` trajectory, bit for bit.
+    /// f32 absmax per block: bitsandbytes' `AdamW8bit` (`crate::qmap` says where its CPU rounding
+    /// differs).
     #[default]
     Dynamic,
     /// Small floats found by integer rounding (`m`: sign and 3 mantissa bits over 16 octaves, `v`: 3
     /// mantissa bits over 32 octaves, each below its block's largest value): every value to 6.25%,
     /// found and read with a few integer operations instead of a table search (see `crate::f8`).
     F8,
-}
-
-impl Q8Codes {
-    /// Short name (`dynamic`, `f8`).
-    pub fn name(self) -> &'static str {
-        match self {
-            Q8Codes::Dynamic => "dynamic",
-            Q8Codes::F8 => "f8",
-        }
-    }
 }
 
 impl Default for Quant8Config {

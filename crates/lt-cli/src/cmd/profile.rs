@@ -366,7 +366,7 @@ fn measure_disk(args: &ProfileArgs, sizes: &Sizes, m: &mut Measured, say: &dyn F
     Ok(())
 }
 
-/// The host optimizer throughput of both AdamW variants, recorded in `m` and reported; `bf16` for a
+/// The host optimizer throughput of the three AdamW variants, recorded in `m` and reported; `bf16` for a
 /// bf16 device (see [`optimizer_speed`]).
 fn measure_optimizers(sizes: &Sizes, threads: usize, bf16: bool, m: &mut Measured, say: &dyn Fn(String)) -> Result<()> {
     for kind in [OptimizerChoice::Adamw8bit, OptimizerChoice::Adamw8bitF8, OptimizerChoice::Adamw] {
