@@ -41,8 +41,8 @@ use half::bf16;
 use crate::config::MAX_BLOCK;
 use crate::copy::bf16_rne;
 use crate::grad::{Grad, GradElem};
-use crate::kernels::{COPY_HW, COPY_INT, Coeffs, KernelPath, NO_COPY, PAR_MIN, TASK, copy_chunks, copy_mode};
-use crate::pool::{ThreadPool, run_tasks};
+use crate::kernels::{COPY_HW, COPY_INT, Coeffs, KernelPath, NO_COPY, Q8Task, copy_mode, q8_tasks};
+use crate::pool::ThreadPool;
 use crate::qmap::block_absmax;
 use crate::simd::SimdLevel;
 
@@ -55,12 +55,24 @@ const M_BASE: u32 = ONE_Q - 127;
 /// `q` of `v`'s code 0 (1.125 * 2^-32): code `c` is `q = V_BASE + c`, up to 255 (1.0).
 const V_BASE: u32 = ONE_Q - 255;
 
+// The SIMD kernels' form of `m_code`/`v_code`: a magnitude raised to its window's bottom (bits
+// `BASE << 20`) has bits of at least that, so the rounding add can take the base off at once,
+// `(bits + ROUND) >> 20 = q - BASE`, and the raise replaces the saturating subtraction.
+/// `m`'s window bottom as f32 bits.
+const M_FLOOR: u32 = M_BASE << SHIFT;
+/// `v`'s window bottom as f32 bits.
+const V_FLOOR: u32 = V_BASE << SHIFT;
+/// The rounding add with `m`'s base taken off.
+const M_ROUND: u32 = 0x80000u32.wrapping_sub(M_FLOOR);
+/// The rounding add with `v`'s base taken off.
+const V_ROUND: u32 = 0x80000u32.wrapping_sub(V_FLOOR);
+
 /// `|x|`'s bits (`abs_bits`: `x`'s without the sign) rounded to 3 mantissa bits, to nearest, ties
 /// away from zero, as `exponent << 3 | mantissa` (the rounded value's f32 bits `>> 20`). Monotonic
 /// in `|x|`. (Ties to even would cost two more operations per 16 values for a case that needs the
 /// 20 dropped bits to be exactly `0x80000`.)
 #[inline(always)]
-pub(crate) fn round_q(abs_bits: u32) -> u32 {
+fn round_q(abs_bits: u32) -> u32 {
     abs_bits.wrapping_add(0x80000) >> SHIFT
 }
 
@@ -73,7 +85,7 @@ fn inv_scale(absmax: f32) -> f32 {
 
 /// The normalized value of `m` code `code`.
 #[inline(always)]
-pub(crate) fn m_value(code: u8) -> f32 {
+fn m_value(code: u8) -> f32 {
     let code = code as u32;
     let c = code & 0x7f;
     let mag = if c == 0 { 0 } else { (M_BASE + c) << SHIFT };
@@ -82,7 +94,7 @@ pub(crate) fn m_value(code: u8) -> f32 {
 
 /// The normalized value of `v` code `code`.
 #[inline(always)]
-pub(crate) fn v_value(code: u8) -> f32 {
+fn v_value(code: u8) -> f32 {
     f32::from_bits((V_BASE + code as u32) << SHIFT)
 }
 
@@ -269,10 +281,8 @@ mod x86 {
         let sign = _mm512_set1_epi32(i32::MIN);
         let bit7 = _mm512_set1_epi32(0x80);
         let (mbase, vbase) = (_mm512_set1_epi32(M_BASE as i32), _mm512_set1_epi32(V_BASE as i32));
-        let (mfloor, vfloor) =
-            (_mm512_set1_ps(f32::from_bits(M_BASE << SHIFT)), _mm512_set1_ps(f32::from_bits(V_BASE << SHIFT)));
-        let mhalf = _mm512_set1_epi32(0x80000u32.wrapping_sub(M_BASE << SHIFT) as i32);
-        let vhalf = _mm512_set1_epi32(0x80000u32.wrapping_sub(V_BASE << SHIFT) as i32);
+        let (mfloor, vfloor) = (_mm512_set1_ps(f32::from_bits(M_FLOOR)), _mm512_set1_ps(f32::from_bits(V_FLOOR)));
+        let (mhalf, vhalf) = (_mm512_set1_epi32(M_ROUND as i32), _mm512_set1_epi32(V_ROUND as i32));
         for k in 0..full {
             let lo = k * b;
             // SAFETY: block k lies within every slice (`full` whole blocks of `p`; the state and
@@ -333,10 +343,8 @@ mod x86 {
                 let (rm, rv) = (_mm512_set1_ps(inv_scale(am)), _mm512_set1_ps(inv_scale(av)));
                 let mut i = 0;
                 while i < b {
-                    // m_code and v_code, their saturating subtraction as a clamp: a magnitude
-                    // raised to the window's bottom (`vrangeps`: the larger magnitude, sign
-                    // cleared) has bits of at least `base << 20`, so the rounding add can take
-                    // the base off at once, `(bits + 0x80000 - (base << 20)) >> 20`.
+                    // m_code and v_code in the `M_ROUND` form (`vrangeps`: the larger magnitude,
+                    // sign cleared).
                     let x = _mm512_mul_ps(_mm512_load_ps(tm.add(i)), rm);
                     let a = _mm512_castps_si512(_mm512_range_ps::<0b1011>(x, mfloor));
                     let cm = _mm512_srli_epi32::<20>(_mm512_add_epi32(a, mhalf));
@@ -382,10 +390,8 @@ mod x86 {
         let abs = _mm256_set1_epi32(0x7fff_ffff);
         let bit7 = _mm256_set1_epi32(0x80);
         let (mbase, vbase) = (_mm256_set1_epi32(M_BASE as i32), _mm256_set1_epi32(V_BASE as i32));
-        let (mfloor, vfloor) =
-            (_mm256_set1_ps(f32::from_bits(M_BASE << SHIFT)), _mm256_set1_ps(f32::from_bits(V_BASE << SHIFT)));
-        let mhalf = _mm256_set1_epi32(0x80000u32.wrapping_sub(M_BASE << SHIFT) as i32);
-        let vhalf = _mm256_set1_epi32(0x80000u32.wrapping_sub(V_BASE << SHIFT) as i32);
+        let (mfloor, vfloor) = (_mm256_set1_ps(f32::from_bits(M_FLOOR)), _mm256_set1_ps(f32::from_bits(V_FLOOR)));
+        let (mhalf, vhalf) = (_mm256_set1_epi32(M_ROUND as i32), _mm256_set1_epi32(V_ROUND as i32));
         for k in 0..full {
             let lo = k * b;
             // SAFETY: block k lies within every slice (`full` whole blocks of `p`; the state and
@@ -482,31 +488,14 @@ pub(crate) fn update_f8(
     path: KernelPath,
 ) {
     let b = s.block;
-    let bpt = (TASK / b).max(1);
-    let te = bpt * b;
-    let n = p.len();
-    let tasks = p
-        .chunks_mut(te)
-        .zip(copy_chunks(cp, te))
-        .zip(s.qm.chunks_mut(te))
-        .zip(s.qv.chunks_mut(te))
-        .zip(s.am.chunks_mut(bpt))
-        .zip(s.av.chunks_mut(bpt))
-        .enumerate();
-    type Task<'t> =
-        (usize, (((((&'t mut [f32], &'t mut [bf16]), &'t mut [u8]), &'t mut [u8]), &'t mut [f32]), &'t mut [f32]));
-    let work = |(i, (((((p, cp), qm), qv), am), av)): Task<'_>| {
-        let s = F8Slices { qm, qv, am, av, block: b };
-        match g.slice(i * te, p.len()) {
-            Grad::F32(g) => run(p, cp, g, s, c, path),
-            Grad::Bf16(g) => run(p, cp, g, s, c, path),
+    let whole = Q8Task { p, cp: cp.unwrap_or_default(), g, qm: s.qm, qv: s.qv, am: s.am, av: s.av };
+    q8_tasks(whole, b, pool, |t| {
+        let s = F8Slices { qm: t.qm, qv: t.qv, am: t.am, av: t.av, block: b };
+        match t.g {
+            Grad::F32(g) => run(t.p, t.cp, g, s, c, path),
+            Grad::Bf16(g) => run(t.p, t.cp, g, s, c, path),
         }
-    };
-    if n < PAR_MIN || pool.threads() == 1 {
-        tasks.for_each(work);
-    } else {
-        run_tasks(pool, tasks, work);
-    }
+    });
 }
 
 #[cfg(test)]

@@ -315,7 +315,7 @@ impl Coeffs {
 }
 
 /// Elements per parallel task (rounded to whole blocks for the 8-bit kernel).
-pub(crate) const TASK: usize = 1 << 15;
+const TASK: usize = 1 << 15;
 /// Below this many elements a tensor is updated on the calling thread only.
 pub(crate) const PAR_MIN: usize = 1 << 16;
 
@@ -456,7 +456,7 @@ impl Q8Kernel {
 
 /// Splits an optional bf16 copy like its parameters (`size` elements per task); without a copy,
 /// every task gets an empty slice.
-pub(crate) fn copy_chunks(cp: Option<&mut [bf16]>, size: usize) -> impl Iterator<Item = &mut [bf16]> + Send {
+fn copy_chunks(cp: Option<&mut [bf16]>, size: usize) -> impl Iterator<Item = &mut [bf16]> + Send {
     cp.into_iter().flat_map(move |c| c.chunks_mut(size)).chain(std::iter::repeat_with(<&mut [bf16]>::default))
 }
 
@@ -769,26 +769,45 @@ pub(crate) fn update_q8(
     path: KernelPath,
 ) {
     let (b, maps) = (s.block, s.maps);
-    let bpt = (TASK / b).max(1);
-    let te = bpt * b;
-    let n = p.len();
-    let tasks = p
-        .chunks_mut(te)
-        .zip(copy_chunks(cp, te))
-        .zip(s.qm.chunks_mut(te))
-        .zip(s.qv.chunks_mut(te))
-        .zip(s.am.chunks_mut(bpt))
-        .zip(s.av.chunks_mut(bpt))
-        .enumerate();
-    type Task<'t> =
-        (usize, (((((&'t mut [f32], &'t mut [bf16]), &'t mut [u8]), &'t mut [u8]), &'t mut [f32]), &'t mut [f32]));
-    let work = |(i, (((((p, cp), qm), qv), am), av)): Task<'_>| {
-        let s = Q8Slices { qm, qv, am, av, block: b, maps };
-        match g.slice(i * te, p.len()) {
-            Grad::F32(g) => q8_run(p, cp, g, s, c, path),
-            Grad::Bf16(g) => q8_run(p, cp, g, s, c, path),
+    let whole = Q8Task { p, cp: cp.unwrap_or_default(), g, qm: s.qm, qv: s.qv, am: s.am, av: s.av };
+    q8_tasks(whole, b, pool, |t| {
+        let s = Q8Slices { qm: t.qm, qv: t.qv, am: t.am, av: t.av, block: b, maps };
+        match t.g {
+            Grad::F32(g) => q8_run(t.p, t.cp, g, s, c, path),
+            Grad::Bf16(g) => q8_run(t.p, t.cp, g, s, c, path),
         }
-    };
+    });
+}
+
+/// A block-wise 8-bit update's operands, for a whole tensor or one task's share of it: parameters,
+/// their bf16 copy (empty: none), gradients, both moments' codes and per-block scales.
+pub(crate) struct Q8Task<'a> {
+    pub p: &'a mut [f32],
+    pub cp: &'a mut [bf16],
+    pub g: Grad<'a>,
+    pub qm: &'a mut [u8],
+    pub qv: &'a mut [u8],
+    pub am: &'a mut [f32],
+    pub av: &'a mut [f32],
+}
+
+/// Splits `t` into tasks of whole blocks of `block` elements (about `TASK` elements each, the last
+/// block perhaps short) and runs `work` on each: on the pool's threads for large tensors, else
+/// here. Both 8-bit code formats share it (`update_q8`, `crate::f8::update_f8`).
+pub(crate) fn q8_tasks(t: Q8Task<'_>, block: usize, pool: &ThreadPool, work: impl Fn(Q8Task<'_>) + Sync) {
+    let bpt = (TASK / block).max(1);
+    let te = bpt * block;
+    let (n, g) = (t.p.len(), t.g);
+    let cp = (!t.cp.is_empty()).then_some(t.cp);
+    let tasks =
+        t.p.chunks_mut(te)
+            .zip(copy_chunks(cp, te))
+            .zip(t.qm.chunks_mut(te))
+            .zip(t.qv.chunks_mut(te))
+            .zip(t.am.chunks_mut(bpt))
+            .zip(t.av.chunks_mut(bpt))
+            .enumerate()
+            .map(|(i, (((((p, cp), qm), qv), am), av))| Q8Task { g: g.slice(i * te, p.len()), p, cp, qm, qv, am, av });
     if n < PAR_MIN || pool.threads() == 1 {
         tasks.for_each(work);
     } else {
