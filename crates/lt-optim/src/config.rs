@@ -80,7 +80,8 @@ pub enum Q8Codes {
     Dynamic,
     /// Small floats found by integer rounding (`m`: sign and 3 mantissa bits over 16 octaves, `v`: 3
     /// mantissa bits over 32 octaves, each below its block's largest value): every value to 6.25%,
-    /// found and read with a few integer operations instead of a table search (see `crate::f8`).
+    /// `v` rounded with a deterministic dither so that it drifts without bias, found and read with a
+    /// few integer operations instead of a table search (see `crate::f8`).
     F8,
 }
 

@@ -14,8 +14,8 @@
 //!   `kernels`).
 //! - [`Q8Codes::F8`] (`adamw8bit-f8`): the same block layout with the codes as small floats (E4M3 for
 //!   `m`, an E5M3 for `v`), found and read with a few integer operations instead of a table search:
-//!   a faster update where the dynamic maps' search is the bottleneck, each value to 6.25% (see
-//!   `f8`).
+//!   a faster update where the dynamic maps' search is the bottleneck, each value to 6.25%, `v`
+//!   rounded with a deterministic dither (see `f8`).
 //! - Fast clipping: [`grad`] returns each layer's sum of squares while converting or accumulating its
 //!   gradients, [`GradNorm`] adds them, and the clip scale is applied inside the update kernel.
 //! - The upload copy: [`ParamGroup::update_with_copy`] also writes each updated weight as bf16

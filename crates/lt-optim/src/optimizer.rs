@@ -764,10 +764,12 @@ mod tests {
     /// How well the f8 codes optimize, against fp32 AdamW and the dynamic maps, on the noisy
     /// quadratic above (300 steps, lr 1e-2): the final loss of each 8-bit optimizer against fp32
     /// AdamW's, and how far each one's weights end from fp32 AdamW's (relative to how far fp32
-    /// AdamW moved them). Observed: dynamic maps 1.09x the loss, 1.4e-2 away; f8 1.39x, 2.9e-2 (`v`'s
-    /// 3 mantissa bits: with 4 it was 1.19x, at the cost of half `v`'s range). With a rounded block
-    /// scale, which let a decaying block's codes stick, f8 was 1.68x and 4.3e-2: the bounds below
-    /// catch that.
+    /// AdamW moved them). Observed: dynamic maps 1.09x the loss, 1.4e-2 away; f8 1.006x, 6.6e-3.
+    /// With `v` rounded to nearest instead of dithered, f8 was 1.39x and 2.9e-2 (1.19x with 4
+    /// mantissa bits for `v`): `v`'s per-step change (0.1% at `beta2 = 0.999`) is far below half a
+    /// step, so a `v` that should grow or shrink relative to its block stuck. With a rounded block
+    /// scale, which let a decaying block's codes stick, f8 was 1.68x and 4.3e-2. The bounds below
+    /// catch both.
     #[test]
     fn f8_codes_optimize_within_bounds_of_fp32() {
         let (l32, p32) = noisy_quadratic(OptimizerKind::AdamW, 300);
@@ -788,8 +790,8 @@ mod tests {
         );
         assert!(l32 < 0.01, "the problem is solvable: {l32}");
         assert!(ld <= 1.2 * l32 && dist(&pd) <= 2e-2, "dynamic maps {ld}, {}", dist(&pd));
-        assert!(lf <= 1.5 * l32, "f8 {lf} against fp32 {l32}");
-        assert!(dist(&pf) <= 4e-2, "f8 weights {} from fp32's", dist(&pf));
+        assert!(lf <= 1.05 * l32 && lf <= ld, "f8 {lf} against fp32 {l32}, dynamic maps {ld}");
+        assert!(dist(&pf) <= 1e-2 && dist(&pf) <= dist(&pd), "f8 weights {} from fp32's", dist(&pf));
     }
 
     /// A NaN anywhere in the gradients skips the step: weights and state bit-identical, the
