@@ -257,26 +257,57 @@ fn blocks<G: GradElem>(p: &mut [f32], cp: &mut [bf16], g: &[G], s: F8Slices<'_>,
     }
 }
 
+/// The kernel that updates whole blocks of `block` elements on `path`: the rule [`run`] dispatches
+/// by, and what [`crate::q8_kernel_name_for`] reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum F8Kernel {
+    /// AVX-512 (blocks that are a multiple of 32).
+    Avx512,
+    /// AVX2, and AVX-512 CPUs for other blocks.
+    Avx2,
+    /// The portable body.
+    Scalar,
+}
+
+impl F8Kernel {
+    pub(crate) fn select(path: KernelPath, block: usize) -> F8Kernel {
+        match path.level {
+            SimdLevel::Avx512 if cfg!(target_arch = "x86_64") && block.is_multiple_of(32) => F8Kernel::Avx512,
+            SimdLevel::Avx2 | SimdLevel::Avx512 if cfg!(target_arch = "x86_64") => F8Kernel::Avx2,
+            _ => F8Kernel::Scalar,
+        }
+    }
+
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            F8Kernel::Avx512 => "avx512",
+            F8Kernel::Avx2 => "avx2",
+            F8Kernel::Scalar => "scalar",
+        }
+    }
+}
+
 /// A run of blocks on the calling thread with the kernel of `path` (the same bits on each).
 fn run<G: GradElem>(p: &mut [f32], cp: &mut [bf16], g: &[G], s: F8Slices<'_>, c: &Coeffs, path: KernelPath) {
-    match path.level {
+    match F8Kernel::select(path, s.block) {
         #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx512 if s.block.is_multiple_of(32) => {
+        F8Kernel::Avx512 => {
             let kernel = match copy_mode(path, !cp.is_empty()) {
                 NO_COPY => x86::blocks_avx512::<G, NO_COPY>,
                 COPY_INT => x86::blocks_avx512::<G, COPY_INT>,
                 _ => x86::blocks_avx512::<G, COPY_HW>,
             };
-            // SAFETY: `simd_level` reports AVX-512 only when the CPU has AVX-512F/BW/DQ (and so
-            // FMA, which every AVX-512 CPU has), and `KernelPath::detect` sets `bf16_hw` (COPY_HW)
-            // only with AVX512-BF16; the block
-            // size is a multiple of 32 (checked here) and at most MAX_BLOCK (`Quant8Config::validate`).
+            // SAFETY: `select` picks this kernel only where `path.level` (from `simd_level`) is
+            // AVX-512, which it reports only when the CPU has AVX-512F/BW/DQ (and so FMA, which
+            // every AVX-512 CPU has), and for a block size that is a multiple of 32 (at most
+            // MAX_BLOCK: `Quant8Config::validate`); `KernelPath::detect` sets `bf16_hw` (COPY_HW)
+            // only with AVX512-BF16.
             unsafe { kernel(p, cp, g, s, c) }
         }
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `simd_level` reports AVX2 only when the CPU has AVX2 and FMA, and AVX-512 only on
-        // CPUs that have both (blocks that are not a multiple of 32 take this body there).
-        SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { x86::blocks_avx2(p, cp, g, s, c) },
+        // SAFETY: `select` picks this kernel only where `path.level` is AVX2 or AVX-512, which
+        // `simd_level` reports only on CPUs with AVX2 and FMA.
+        F8Kernel::Avx2 => unsafe { x86::blocks_avx2(p, cp, g, s, c) },
         _ => blocks(p, cp, g, s, c, 0),
     }
 }
@@ -698,6 +729,24 @@ mod tests {
             let mean = (0..256).map(|j| read(x, j, 9)).sum::<f64>() / 256.0;
             assert!((mean - x as f64).abs() <= step / 32.0, "{x:e}, one step: mean {mean:e}");
             checked += 1;
+        }
+    }
+
+    /// The kernel reported for a block size is the one `run` dispatches to: AVX-512 only for
+    /// blocks that are a multiple of 32, where the CPU has it.
+    #[test]
+    fn the_kernel_name_follows_the_dispatch_rule() {
+        let path = KernelPath::detect();
+        for b in [256usize, 64, 48, 16] {
+            let cfg = crate::Quant8Config { block_size: b, codes: crate::Q8Codes::F8, ..Default::default() };
+            let k = F8Kernel::select(path, b);
+            assert_eq!(crate::q8_kernel_name_for(&cfg), k.name());
+            let want = match simd_level() {
+                SimdLevel::Avx512 if b.is_multiple_of(32) => F8Kernel::Avx512,
+                SimdLevel::Avx2 | SimdLevel::Avx512 => F8Kernel::Avx2,
+                _ => F8Kernel::Scalar,
+            };
+            assert_eq!(k, want, "block {b}");
         }
     }
 

@@ -141,9 +141,20 @@ fn named_or(value: Option<&str>, off: &str, on: &str, default: bool) -> bool {
 /// e.g. `avx512-gather-rounded`), `avx512-gather` (AVX-512 without VBMI: gathers and the bucket
 /// table), `avx2-loads`, `avx2-gather` or `scalar`.
 pub fn q8_kernel_name() -> &'static str {
-    let block = crate::Quant8Config::default().block_size;
-    crate::kernels::Q8Kernel::select(crate::kernels::KernelPath::detect(), crate::qmap::QuantMaps::default(), block)
-        .name()
+    q8_kernel_name_for(&crate::Quant8Config::default())
+}
+
+/// As [`q8_kernel_name`], for the 8-bit configuration `config`: its codes and block size decide
+/// (the f8 codes' kernels: `avx512` for blocks that are a multiple of 32, else `avx2`, or
+/// `scalar`).
+pub fn q8_kernel_name_for(config: &crate::Quant8Config) -> &'static str {
+    let path = crate::kernels::KernelPath::detect();
+    match config.codes {
+        crate::Q8Codes::Dynamic => {
+            crate::kernels::Q8Kernel::select(path, crate::qmap::QuantMaps::default(), config.block_size).name()
+        }
+        crate::Q8Codes::F8 => crate::f8::F8Kernel::select(path, config.block_size).name(),
+    }
 }
 
 /// The CPUID vendor string (`GenuineIntel`, `AuthenticAMD`, ...); zeros off x86-64.

@@ -35,7 +35,7 @@ use lt_core::HostCpu;
 use lt_core::hostmem::{huge_collect, huge_vec};
 use lt_optim::{
     AdamW, AdamWConfig, Grad, OptimizerKind, Q8Codes, Quant8Config, StepOutcome, ThreadPool, bf16, fill_bf16,
-    q8_kernel_name, simd_level,
+    q8_kernel_name_for, simd_level,
 };
 
 /// Which optimizer to benchmark.
@@ -344,7 +344,7 @@ fn report(args: &BenchOptimizerArgs, kind: OptimizerKind, times: &[f64], state_b
     };
     // The 8-bit kernel family (the fp32 kernels are auto-vectorised at the same SIMD level).
     let kernel = match kind {
-        OptimizerKind::AdamW8bit(q) if q.codes == Q8Codes::Dynamic => q8_kernel_name(),
+        OptimizerKind::AdamW8bit(q) => q8_kernel_name_for(&q),
         _ => simd_level().name(),
     };
     // A host speed: it holds for this CPU only, so the CPU is named next to it.
