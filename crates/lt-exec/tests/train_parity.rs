@@ -184,8 +184,9 @@ fn resume_continues(kind: OptimizerKind) {
 }
 
 /// 8-bit optimizer state converges like fp32: after 50 steps on the same data the losses are within
-/// 2% of each other. The 4096-element threshold is lowered to 256 so that nearly every tensor of the
-/// tiny model really gets 8-bit state (otherwise the test would compare fp32 with fp32).
+/// 2% of each other, for both 8-bit formats. The 4096-element threshold is lowered to 256 so that
+/// nearly every tensor of the tiny model really gets 8-bit state (otherwise the test would compare
+/// fp32 with fp32).
 #[test]
 fn adamw8bit_converges_like_adamw() {
     let name = "qwen3-hd16-gqa";
@@ -207,11 +208,9 @@ fn adamw8bit_converges_like_adamw() {
         last
     };
     let fp32 = run(OptimizerKind::AdamW);
-    let q8 = run(OptimizerKind::AdamW8bit(lt_optim::Quant8Config {
-        block_size: 256,
-        min_8bit_numel: 256,
-        ..Default::default()
-    }));
     assert!(fp32 < 2.0, "fp32 run must actually learn (loss {fp32})");
-    assert!(((q8 - fp32) / fp32).abs() <= 0.02, "8-bit {q8} vs fp32 {fp32}");
+    for codes in [lt_optim::Q8Codes::Dynamic, lt_optim::Q8Codes::F8] {
+        let q8 = run(OptimizerKind::AdamW8bit(lt_optim::Quant8Config { block_size: 256, min_8bit_numel: 256, codes }));
+        assert!(((q8 - fp32) / fp32).abs() <= 0.02, "8-bit ({codes:?}) {q8} vs fp32 {fp32}");
+    }
 }
