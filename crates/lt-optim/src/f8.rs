@@ -374,7 +374,8 @@ mod x86 {
         for k in 0..full {
             let lo = k * b;
             // SAFETY: block k lies within every slice (`full` whole blocks of `p`; the state and
-            // a non-empty copy are as long as `p`); the scratch holds MAX_BLOCK >= b per moment.
+            // a non-empty copy are as long as `p`); the scratch holds MAX_BLOCK >= b per moment;
+            // `dither` holds `b` written addends, 64-byte aligned, read at multiples of 16.
             unsafe {
                 let (pp, gp, qm, qv) =
                     (p.as_mut_ptr().add(lo), g.as_ptr().add(lo), s.qm.as_mut_ptr().add(lo), s.qv.as_mut_ptr().add(lo));
@@ -490,7 +491,8 @@ mod x86 {
         for k in 0..full {
             let lo = k * b;
             // SAFETY: block k lies within every slice (`full` whole blocks of `p`; the state and
-            // a non-empty copy are as long as `p`); the scratch holds MAX_BLOCK >= b per moment.
+            // a non-empty copy are as long as `p`); the scratch holds MAX_BLOCK >= b per moment;
+            // `dither` holds `b` written addends, 64-byte aligned, read at multiples of 16.
             unsafe {
                 let (pp, gp, qm, qv) =
                     (p.as_mut_ptr().add(lo), g.as_ptr().add(lo), s.qm.as_mut_ptr().add(lo), s.qv.as_mut_ptr().add(lo));
