@@ -16,7 +16,11 @@
 #   the same torch with PyTorch's huge-page allocation (--thp), as lt's host buffers use huge pages
 #   lt bench optimizer --optimizer adamw     --grad-dtype bf16 | f32
 #   bitsandbytes.optim.AdamW8bit on CPU (fewer steps: it runs at ~0.05 Gparam/s)
-# and prints a table of medians over the rounds with each one's ratio to torch fused, then each
+# and, before the pairs and after them, the memory bus's reference (tools/bench/torch_adamw.py
+# --impl mem-scale: an in-place scale of an fp32 buffer, the plain read-modify-write stream that
+# bounds a memory-bound update; the larger of the two is the round's bus);
+# and prints a table of medians over the rounds with each one's ratio to torch fused and its GB/s
+# as a fraction of the bus, then each
 # round's ratio of the lt 8-bit rows to torch fused in that round (the acceptance figure is the
 # 8-bit update with the bf16 copy, in every round: it takes turns with torch fused every ~0.25 s,
 # so that the two see the same background load; run one after the other, a burst of load on this
@@ -91,9 +95,11 @@ paired_run() {
 for r in $(seq 1 "$REPEATS"); do
     echo "round $r/$REPEATS" >&2
     echo "{\"round\": $r}" >> "$OUT"
+    torch_run mem-scale
     paired_run "$r" adamw8bit
     paired_run "$r" adamw8bit-f8
     echo '{"pair": null}' >> "$OUT"
+    torch_run mem-scale
     lt_run adamw8bit bf16 none
     lt_run adamw8bit f32 none
     lt_run adamw8bit-f8 bf16 none
@@ -131,21 +137,30 @@ for r in lines:
         key = ("torch-fused/f8", *key[1:])
     groups.setdefault(key, []).append(r)
     if rounds:
-        rounds[-1][key] = r["gparams_per_s"]
+        if key[0] == "mem-scale":
+            # The round's bus: the faster of its two reference runs.
+            rounds[-1][key] = max(rounds[-1].get(key, 0.0), r["gparams_per_s"])
+        else:
+            rounds[-1][key] = r["gparams_per_s"]
 med = {k: statistics.median(x["gparams_per_s"] for x in v) for k, v in groups.items()}
 base_key = ("torch-fused", "f32", "none")
 base = med.get(base_key)
 kernel = next((x.get("kernel") for x in rows if x.get("kernel") and x["optimizer"] == "adamw8bit"), "n/a")
 print(f"lt 8-bit kernel: {kernel}")
+bus_key = ("mem-scale", "none", "none")
+bus = med[bus_key] * groups[bus_key][0]["bytes_per_param"] if bus_key in med else None
 print(f"{'optimizer':<15} {'grads':<5} {'copy':<5} {'runs':>4} {'Gparam/s':>9} {'min..max':>13} {'x torch fused':>13} "
-      f"{'B/param moved':>13} {'GB/s':>6} {'state B/param':>13}")
+      f"{'B/param moved':>13} {'GB/s':>6} {'x bus':>5} {'state B/param':>13}")
 for key, v in sorted(groups.items(), key=lambda kv: -med[kv[0]]):
     name, dt, cp = key
     g = [x["gparams_per_s"] for x in v]
-    ratio = f"{med[key] / base:.2f}x" if base else "n/a"
+    ratio = f"{med[key] / base:.2f}x" if base and name != "mem-scale" else "n/a"
+    gbs = med[key] * v[0]["bytes_per_param"]
+    of_bus = f"{gbs / bus:.2f}" if bus else "n/a"
     print(f"{name:<15} {dt:<5} {cp:<5} {len(v):>4} {med[key]:>9.3f} {min(g):>6.3f}..{max(g):<6.3f} {ratio:>13} "
-          f"{v[0]['bytes_per_param']:>13.2f} {med[key] * v[0]['bytes_per_param']:>6.1f} "
+          f"{v[0]['bytes_per_param']:>13.2f} {gbs:>6.1f} {of_bus:>5} "
           f"{statistics.median(x['state_bytes_per_param'] for x in v):>13.3f}")
+print("mem-scale: the bus's reference (an in-place scale, 16 B per 'param'); x bus: a row's GB/s over the median of it")
 print("per round, x torch fused of the same round (each 8-bit update with the copy took turns with a torch fused run;")
 print("adamw8bit: bitsandbytes' dynamic maps, the acceptance figure; adamw8bit-f8: the f8 codes):")
 for i, r in enumerate(rounds, 1):
@@ -162,5 +177,14 @@ for i, r in enumerate(rounds, 1):
     acc = r.get(("adamw8bit", "bf16", "bf16"))
     if thp and acc:
         cells.append(f"(adamw8bit bf16 + copy against torch fused with huge pages {acc / thp:.2f}x)")
+    b = r.get(bus_key)
+    if b:
+        gb = lambda k: r[k] * groups[k][0]["bytes_per_param"]
+        bgbs = gb(bus_key)
+        parts = [f"{label} {gb(k) / bgbs:.2f}" for label, k in [
+            ("torch fused", base_key), ("adamw8bit + copy", ("adamw8bit", "bf16", "bf16")),
+            ("torch fused/f8", ("torch-fused/f8", "f32", "none")), ("f8 + copy", ("adamw8bit-f8", "bf16", "bf16"))]
+            if k in r]
+        cells.append(f"bus {bgbs:.0f} GB/s, of it: " + ", ".join(parts))
     print(f"  round {i}: " + ", ".join(cells))
 PY

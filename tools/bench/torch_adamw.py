@@ -5,12 +5,20 @@ Tested with: python 3.11.7, torch 2.15.0, bitsandbytes 0.50.2 (CPU only).
 
     python3 tools/bench/torch_adamw.py --impl torch-fused --params 64M --threads 2
     python3 tools/bench/torch_adamw.py --impl bnb-8bit --params 64M --threads 2 --steps 2 --warmup 1
+    python3 tools/bench/torch_adamw.py --impl mem-scale --params 64M --threads 2
 
 One parameter tensor of N fp32 weights with an fp32 gradient (PyTorch's fused AdamW requires the
 gradient dtype to match the weights), clipping off (its cost is not part of `step()` here), the
 same hyper-parameters as `lt bench optimizer`. Prints one JSON line with the same keys as
 `lt bench optimizer --json`. `bytes_per_param` counts the same way: weight read + write (8),
 gradient read (4), state read + write (16 for fp32 m and v; 4 + 16/256 for 8-bit blocks of 256).
+
+`--impl mem-scale` is the memory bus's reference in the same run, not an optimizer: an in-place
+scale (`x.mul_(0.999)`, vectorized and parallel in torch) of one fp32 tensor of 2N elements on the
+same threads, 16 bytes moved per "parameter" (8 read, 8 written back to lines already read, as the
+optimizers' state and weights are), so its `gbytes_per_s` is what a plain read-modify-write stream
+gets from the bus, and an optimizer's GB/s over it is its fraction of that limit. (A copy into a
+second buffer is slower per byte counted: its written lines are read first.)
 
 `--turns IN,OUT` takes turns with `lt bench optimizer --turns OUT,IN` through two named pipes (the
 protocol is documented there: a start-up lap, then `--turn-steps` timed steps per token), so that
@@ -50,7 +58,7 @@ class Baton:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--impl", choices=["torch-fused", "torch-foreach", "bnb-8bit"], required=True)
+    ap.add_argument("--impl", choices=["torch-fused", "torch-foreach", "bnb-8bit", "mem-scale"], required=True)
     ap.add_argument("--params", type=count, default=count("64M"))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=10)
@@ -86,10 +94,21 @@ def main():
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     n = a.params
-    p = torch.nn.Parameter(torch.empty(n).uniform_(-0.05, 0.05))
-    p.grad = torch.empty(n).uniform_(-1, 1)
+    p = torch.nn.Parameter(torch.empty(n if a.impl != "mem-scale" else 1).uniform_(-0.05, 0.05))
+    p.grad = torch.empty(p.numel()).uniform_(-1, 1)
     kw = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
-    if a.impl == "torch-fused":
+    if a.impl == "mem-scale":
+        buf = torch.empty(2 * n).uniform_(-1, 1)
+
+        class Scale:
+            state = {}
+
+            def step(self):
+                buf.mul_(0.999)
+
+        opt = Scale()
+        bpp, state = 16.0, "none"
+    elif a.impl == "torch-fused":
         opt = torch.optim.AdamW([p], fused=True, **kw)
         bpp, state = 28.0, "fp32"
     elif a.impl == "torch-foreach":
@@ -116,7 +135,7 @@ def main():
             times.append(dt)
             if baton and ((s + 1 - a.warmup) % a.turn_steps == 0 or s + 1 == end):
                 baton.pass_on()
-    st = opt.state[p]
+    st = opt.state.get(p, {})
     state_bytes = sum(v.numel() * v.element_size() for k, v in st.items() if torch.is_tensor(v) and v.numel() > 1)
     in_order = list(times)
     times.sort()
@@ -125,7 +144,7 @@ def main():
         "optimizer": a.impl + ("-thp" if a.thp else ""),
         "params": n,
         "threads": a.threads,
-        "grad_dtype": "f32",
+        "grad_dtype": "f32" if a.impl != "mem-scale" else "none",
         "state": state,
         "torch": torch.__version__,
         "warmup": a.warmup,
