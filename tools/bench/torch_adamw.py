@@ -94,9 +94,7 @@ def main():
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     n = a.params
-    p = torch.nn.Parameter(torch.empty(n if a.impl != "mem-scale" else 1).uniform_(-0.05, 0.05))
-    p.grad = torch.empty(p.numel()).uniform_(-1, 1)
-    kw = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    p = None
     if a.impl == "mem-scale":
         buf = torch.empty(2 * n).uniform_(-1, 1)
 
@@ -108,17 +106,21 @@ def main():
 
         opt = Scale()
         bpp, state = 16.0, "none"
-    elif a.impl == "torch-fused":
-        opt = torch.optim.AdamW([p], fused=True, **kw)
-        bpp, state = 28.0, "fp32"
-    elif a.impl == "torch-foreach":
-        opt = torch.optim.AdamW([p], foreach=True, **kw)
-        bpp, state = 28.0, "fp32"
     else:
-        import bitsandbytes as bnb
+        p = torch.nn.Parameter(torch.empty(n).uniform_(-0.05, 0.05))
+        p.grad = torch.empty(n).uniform_(-1, 1)
+        kw = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+        if a.impl == "torch-fused":
+            opt = torch.optim.AdamW([p], fused=True, **kw)
+            bpp, state = 28.0, "fp32"
+        elif a.impl == "torch-foreach":
+            opt = torch.optim.AdamW([p], foreach=True, **kw)
+            bpp, state = 28.0, "fp32"
+        else:
+            import bitsandbytes as bnb
 
-        opt = bnb.optim.AdamW8bit([p], **kw)
-        bpp, state = 8.0 + 4.0 + 4.0 + 16.0 / 256, "8bit"
+            opt = bnb.optim.AdamW8bit([p], **kw)
+            bpp, state = 8.0 + 4.0 + 4.0 + 16.0 / 256, "8bit"
     times = []
     end = a.warmup + a.steps
     for s in range(end):

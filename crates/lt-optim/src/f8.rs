@@ -329,12 +329,14 @@ mod x86 {
     struct Dither([MaybeUninit<u32>; MAX_BLOCK]);
 
     impl Dither {
-        /// Writes the first `b` (at most `MAX_BLOCK`) addends for step `step`.
+        /// The first `b` (at most `MAX_BLOCK`) addends for step `step` written, the rest not.
         #[inline(always)]
-        fn fill(&mut self, b: usize, step: u64) {
-            for (j, d) in self.0[..b].iter_mut().enumerate() {
-                d.write(v_dither(j, step).wrapping_sub(V_FLOOR));
+        fn new(b: usize, step: u64) -> Dither {
+            let mut d = Dither([MaybeUninit::uninit(); MAX_BLOCK]);
+            for (j, x) in d.0[..b].iter_mut().enumerate() {
+                x.write(v_dither(j, step).wrapping_sub(V_FLOOR));
             }
+            d
         }
     }
 
@@ -368,8 +370,7 @@ mod x86 {
         let (mbase, vbase) = (_mm512_set1_epi32(M_BASE as i32), _mm512_set1_epi32(V_BASE as i32));
         let (mfloor, vfloor) = (_mm512_set1_ps(f32::from_bits(M_FLOOR)), _mm512_set1_ps(f32::from_bits(V_FLOOR)));
         let mhalf = _mm512_set1_epi32(M_ROUND as i32);
-        let mut dither = Dither([MaybeUninit::uninit(); MAX_BLOCK]);
-        dither.fill(b, c.step);
+        let dither = Dither::new(b, c.step);
         let dv = dither.0.as_ptr() as *const __m512i;
         for k in 0..full {
             let lo = k * b;
@@ -485,14 +486,13 @@ mod x86 {
         let (mbase, vbase) = (_mm256_set1_epi32(M_BASE as i32), _mm256_set1_epi32(V_BASE as i32));
         let (mfloor, vfloor) = (_mm256_set1_ps(f32::from_bits(M_FLOOR)), _mm256_set1_ps(f32::from_bits(V_FLOOR)));
         let mhalf = _mm256_set1_epi32(M_ROUND as i32);
-        let mut dither = Dither([MaybeUninit::uninit(); MAX_BLOCK]);
-        dither.fill(b, c.step);
+        let dither = Dither::new(b, c.step);
         let dv = dither.0.as_ptr() as *const __m256i;
         for k in 0..full {
             let lo = k * b;
             // SAFETY: block k lies within every slice (`full` whole blocks of `p`; the state and
             // a non-empty copy are as long as `p`); the scratch holds MAX_BLOCK >= b per moment;
-            // `dither` holds `b` written addends, 64-byte aligned, read at multiples of 16.
+            // `dither` holds `b` written addends, 64-byte aligned, read at multiples of 8.
             unsafe {
                 let (pp, gp, qm, qv) =
                     (p.as_mut_ptr().add(lo), g.as_ptr().add(lo), s.qm.as_mut_ptr().add(lo), s.qv.as_mut_ptr().add(lo));
