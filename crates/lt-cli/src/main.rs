@@ -56,6 +56,9 @@ enum BenchCommand {
 }
 
 fn main() {
+    // Before any thread starts: the CPU backend's per-operation tensors are then reused instead of
+    // mapped and unmapped every step (lt_core::hostmem::tune_malloc).
+    lt_core::hostmem::tune_malloc();
     let cli = Cli::parse();
     let result = match &cli.command {
         Command::Train(a) => cmd::train::run(a),
