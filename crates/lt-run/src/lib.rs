@@ -25,6 +25,12 @@
 //! # Ok::<(), anyhow::Error>(())
 //! ```
 //!
+//! On the CPU backend, a program that owns its process should call
+//! `lt_core::hostmem::tune_malloc()` first, as `lt` does: with glibc's default thresholds the
+//! backend's per-operation tensors are mapped and unmapped every step (the demo ran 1.25x slower,
+//! most of the difference in the kernel). A library does not change that process-wide policy for
+//! you.
+//!
 //! Lower layers, for a project that needs only part of this: `lt-exec` (the streamed executor and
 //! trainer), `lt-sched` (the planner), `lt-optim` (the 8-bit AdamW), `lt-model` (Qwen layers).
 
