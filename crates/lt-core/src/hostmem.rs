@@ -60,6 +60,20 @@ pub fn advise_huge(ptr: *const u8, len: usize) {
     let _ = (ptr, len);
 }
 
+/// The size of the host's pages (the unit the kernel, and a driver's page-locking, work in): from
+/// `sysconf(_SC_PAGESIZE)` on Unix, else 4 KiB.
+pub fn page_size() -> usize {
+    #[cfg(unix)]
+    {
+        // SAFETY: sysconf only reads a system constant.
+        let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+        if p > 0 {
+            return p as usize;
+        }
+    }
+    4096
+}
+
 /// What [`tune_malloc`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MallocTuning {

@@ -13,10 +13,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
 
 use lt_core::ModelConfig;
-use lt_core::hostmem::huge_vec;
 use lt_model::host::{HostLayer, HostModel, HostTensor};
 use lt_model::upload::Bf16Copy;
-use lt_optim::{OptimError, ThreadPool, bf16, fill_bf16};
+use lt_optim::{OptimError, ThreadPool, fill_bf16};
 
 /// The bf16 copies of one slot's tensors, in the slot's tensor order (the head: embedding, norm,
 /// then `lm_head` when untied; a layer: its specs). `None` for a tensor no upload reads: the
@@ -107,9 +106,8 @@ impl SharedModel {
                     if !uploaded {
                         return Ok(None);
                     }
-                    let mut c = huge_vec(t.data.len(), bf16::ZERO);
-                    fill_bf16(&t.data, &mut c, pool)?;
-                    let c = lt_model::upload::CopyBuf::new(c);
+                    let mut c = lt_model::upload::CopyBuf::zeroed(t.data.len());
+                    fill_bf16(&t.data, c.as_mut_slice(), pool)?;
                     // Page-locked now where the device offers it (CUDA), so that the first step's
                     // uploads do not pay for it; elsewhere, or refused, it stays pageable.
                     c.pin();

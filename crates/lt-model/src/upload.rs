@@ -114,8 +114,22 @@ pub const PIN_MIN_BYTES: usize = 1 << 20;
 /// in turn. Unregistration happens in `Drop`, that is after the last upload holding the buffer has
 /// let it go (cubecl keeps it until the copy's stream has passed the DMA): freeing registered memory
 /// would leave the driver a stale page list.
+///
+/// A copy large enough to be page-locked ([`PIN_MIN_BYTES`]) owns whole pages: its values start on a
+/// page boundary inside a slightly larger allocation whose other bytes nobody uses, so no other
+/// allocation shares a page with it. The driver locks whole pages; `malloc` places blocks of up to
+/// its `mmap` threshold (32 MiB under `lt_core::hostmem::tune_malloc`, and as much once glibc's
+/// adaptive threshold has risen) next to each other on its heap, as a 7B layer's attention copies
+/// (3.7-26 MB) are. Whether CUDA locks and unlocks two disjoint ranges that share a page
+/// independently is not established here (it refuses overlapping ones with
+/// `CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`; one public report has the driver accepting disjoint
+/// ones on one page); owning the pages leaves nothing to find out on the first GPU run, for two
+/// pages per copy, and puts the optimizer's 64-byte stores of the copy on cache-line boundaries.
 pub struct CopyBuf {
-    data: Vec<half::bf16>,
+    /// The allocation; the values are `buf[off..off + len]`.
+    buf: Vec<half::bf16>,
+    off: usize,
+    len: usize,
     pin: Mutex<PinState>,
 }
 
@@ -131,19 +145,43 @@ pub enum PinState {
 }
 
 impl CopyBuf {
-    /// Wraps `data` (pageable until [`pin`](Self::pin)).
+    /// The values of `data` (pageable until [`pin`](Self::pin)). A copy that may be page-locked is
+    /// moved into whole pages of its own (one copy of the values); a smaller one keeps `data`.
     pub fn new(data: Vec<half::bf16>) -> Self {
-        Self { data, pin: Mutex::new(PinState::Unpinned) }
+        if std::mem::size_of_val(data.as_slice()) < PIN_MIN_BYTES {
+            let len = data.len();
+            return Self { buf: data, off: 0, len, pin: Mutex::new(PinState::Unpinned) };
+        }
+        let mut c = Self::zeroed(data.len());
+        c.as_mut_slice().copy_from_slice(&data);
+        c
+    }
+
+    /// `len` zeros (to be written with [`as_mut_slice`](Self::as_mut_slice)), on whole pages of their
+    /// own when large enough to be page-locked, on transparent huge pages where they span some.
+    pub fn zeroed(len: usize) -> Self {
+        let bytes = len.saturating_mul(std::mem::size_of::<half::bf16>());
+        if bytes < PIN_MIN_BYTES {
+            return Self { buf: vec![half::bf16::ZERO; len], off: 0, len, pin: Mutex::new(PinState::Unpinned) };
+        }
+        // Two pages more than the values need: up to one before them, to reach a page boundary,
+        // and up to one after, to finish their last page.
+        let page = lt_core::hostmem::page_size();
+        let buf = lt_core::hostmem::huge_vec(len + page, half::bf16::ZERO);
+        let addr = buf.as_ptr() as usize;
+        let off = (addr.next_multiple_of(page) - addr) / std::mem::size_of::<half::bf16>();
+        debug_assert!(2 * off < page && 2 * off + bytes.next_multiple_of(page) <= 2 * buf.len());
+        Self { buf, off, len, pin: Mutex::new(PinState::Unpinned) }
     }
 
     /// The values.
     pub fn as_slice(&self) -> &[half::bf16] {
-        &self.data
+        &self.buf[self.off..self.off + self.len]
     }
 
     /// The values, to write in place (the buffer keeps its address: a registration stays valid).
     pub fn as_mut_slice(&mut self) -> &mut [half::bf16] {
-        &mut self.data
+        &mut self.buf[self.off..self.off + self.len]
     }
 
     /// Page-locks the buffer with the installed [`Pinner`] if it is large enough and was not tried
@@ -155,10 +193,10 @@ impl CopyBuf {
             return *st;
         }
         let Some(p) = PINNER.get() else { return *st };
-        let bytes = std::mem::size_of_val(self.data.as_slice());
+        let bytes = std::mem::size_of_val(self.as_slice());
         *st = if bytes < PIN_MIN_BYTES {
             PinState::Pageable
-        } else if (p.register)(self.data.as_ptr().cast_mut().cast(), bytes) {
+        } else if (p.register)(self.as_slice().as_ptr().cast_mut().cast(), bytes) {
             PinState::Pinned
         } else {
             PinState::Pageable
@@ -187,20 +225,22 @@ impl FromIterator<half::bf16> for CopyBuf {
 impl std::ops::Deref for CopyBuf {
     type Target = [half::bf16];
     fn deref(&self) -> &[half::bf16] {
-        &self.data
+        self.as_slice()
     }
 }
 
 impl Clone for CopyBuf {
     /// A pageable copy of the values (see the type's docs).
     fn clone(&self) -> Self {
-        Self::new(self.data.clone())
+        let mut c = Self::zeroed(self.len);
+        c.as_mut_slice().copy_from_slice(self.as_slice());
+        c
     }
 }
 
 impl std::fmt::Debug for CopyBuf {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CopyBuf").field("len", &self.data.len()).field("pin", &self.pin_state()).finish()
+        f.debug_struct("CopyBuf").field("len", &self.len).field("pin", &self.pin_state()).finish()
     }
 }
 
@@ -209,7 +249,7 @@ impl Drop for CopyBuf {
         if *self.pin.get_mut().unwrap_or_else(|e| e.into_inner()) == PinState::Pinned
             && let Some(p) = PINNER.get()
         {
-            (p.unregister)(self.data.as_mut_ptr().cast());
+            (p.unregister)(self.as_mut_slice().as_mut_ptr().cast());
         }
     }
 }
@@ -442,6 +482,15 @@ mod tests {
         static EVENTS: Mutex<Vec<(bool, usize)>> = Mutex::new(Vec::new());
         fn register(ptr: *mut u8, len: usize) -> bool {
             let mut live = LIVE.lock().unwrap();
+            // Stricter than CUDA may be: a range touching a page locked for another buffer is refused.
+            let page = lt_core::hostmem::page_size();
+            let pages = |p: usize, l: usize| (p / page, (p + l - 1) / page);
+            let (a, b) = pages(ptr as usize, len);
+            let shares =
+                live.get_or_insert_with(HashMap::new).iter().any(|(&q, &l)| pages(q, l).0 <= b && a <= pages(q, l).1);
+            if shares {
+                return false;
+            }
             let prev = live.get_or_insert_with(HashMap::new).insert(ptr as usize, len);
             assert!(prev.is_none(), "registered twice");
             EVENTS.lock().unwrap().push((true, ptr as usize));
@@ -488,6 +537,36 @@ mod tests {
         assert_eq!(small.pin(), PinState::Pageable);
         drop(small);
         assert_eq!(EVENTS.lock().unwrap().len(), before, "a small buffer was registered or unregistered");
+
+        // Large copies made one after the other, with the allocator tuned as `lt` runs it (blocks
+        // under 32 MiB next to each other on the heap), each own their pages: every one is locked,
+        // none refused for a page it would share, and each holds its values.
+        lt_core::hostmem::tune_malloc();
+        let page = lt_core::hostmem::page_size();
+        let copies: Vec<CopyBuf> = (0..6)
+            .map(|i| {
+                let len = n + 1000 * i + 3;
+                if i % 2 == 0 {
+                    CopyBuf::new((0..len).map(|k| half::bf16::from_f32((k % 251) as f32)).collect())
+                } else {
+                    let mut c = CopyBuf::zeroed(len);
+                    c.as_mut_slice()
+                        .iter_mut()
+                        .enumerate()
+                        .for_each(|(k, x)| *x = half::bf16::from_f32((k % 251) as f32));
+                    c
+                }
+            })
+            .collect();
+        for (i, c) in copies.iter().enumerate() {
+            assert_eq!(c.len(), n + 1000 * i + 3);
+            assert_eq!(c.as_ptr() as usize % page, 0, "copy {i} does not start a page");
+            assert_eq!(c.pin(), PinState::Pinned, "copy {i} was refused: it shares a page");
+            assert!(c.iter().enumerate().all(|(k, x)| x.to_f32() == (k % 251) as f32), "copy {i} values");
+        }
+        let twin = copies[1].clone();
+        assert_eq!(twin.as_slice(), copies[1].as_slice());
+        assert_eq!(twin.pin(), PinState::Pinned, "a clone owns its pages too");
     }
 
     /// An upload on the CPU backend returns the host values unchanged, in the given shape.
