@@ -173,7 +173,7 @@ mod tests {
             round();
         }
         let faults = minor_faults() - before;
-        let pages = (4 * BLOCKS * BLOCK / 4096) as i64;
+        let pages = (4 * BLOCKS * BLOCK / page_size()) as i64;
         eprintln!("{faults} minor faults in 4 rounds of {BLOCKS} x 1 MiB ({pages} pages touched)");
         assert!(faults * 20 < pages, "{faults} faults for {pages} pages: freed memory was not reused");
     }

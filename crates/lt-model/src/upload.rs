@@ -152,25 +152,41 @@ impl CopyBuf {
             let len = data.len();
             return Self { buf: data, off: 0, len, pin: Mutex::new(PinState::Unpinned) };
         }
-        let mut c = Self::zeroed(data.len());
-        c.as_mut_slice().copy_from_slice(&data);
-        c
+        Self::from_slice(&data)
+    }
+
+    /// A copy of `src`, on whole pages of its own when large enough to be page-locked.
+    fn from_slice(src: &[half::bf16]) -> Self {
+        if std::mem::size_of_val(src) < PIN_MIN_BYTES {
+            return Self { buf: src.to_vec(), off: 0, len: src.len(), pin: Mutex::new(PinState::Unpinned) };
+        }
+        Self::paged(src.len(), |b| b.extend_from_slice(src))
     }
 
     /// `len` zeros (to be written with [`as_mut_slice`](Self::as_mut_slice)), on whole pages of their
     /// own when large enough to be page-locked, on transparent huge pages where they span some.
     pub fn zeroed(len: usize) -> Self {
-        let bytes = len.saturating_mul(std::mem::size_of::<half::bf16>());
-        if bytes < PIN_MIN_BYTES {
+        if len.saturating_mul(std::mem::size_of::<half::bf16>()) < PIN_MIN_BYTES {
             return Self { buf: vec![half::bf16::ZERO; len], off: 0, len, pin: Mutex::new(PinState::Unpinned) };
         }
-        // Two pages more than the values need: up to one before them, to reach a page boundary,
-        // and up to one after, to finish their last page.
+        Self::paged(len, |b| b.resize(b.len() + len, half::bf16::ZERO))
+    }
+
+    /// `len` values on whole pages of their own: `fill` appends exactly `len` values to a vector
+    /// that ends, when it is called, on a page boundary. The allocation holds two pages more than the values
+    /// need (up to one before them, to reach a page boundary, and up to one after, to finish their
+    /// last page), asked for huge pages before anything touches it.
+    fn paged(len: usize, fill: impl FnOnce(&mut Vec<half::bf16>)) -> Self {
         let page = lt_core::hostmem::page_size();
-        let buf = lt_core::hostmem::huge_vec(len + page, half::bf16::ZERO);
+        let mut buf = lt_core::hostmem::huge_with_capacity(len + page);
         let addr = buf.as_ptr() as usize;
         let off = (addr.next_multiple_of(page) - addr) / std::mem::size_of::<half::bf16>();
-        debug_assert!(2 * off < page && 2 * off + bytes.next_multiple_of(page) <= 2 * buf.len());
+        buf.resize(off, half::bf16::ZERO);
+        fill(&mut buf);
+        debug_assert_eq!(buf.len(), off + len);
+        buf.resize(len + page, half::bf16::ZERO);
+        // Within the capacity throughout: the values never moved off the page boundary.
+        debug_assert_eq!(buf.as_ptr() as usize, addr);
         Self { buf, off, len, pin: Mutex::new(PinState::Unpinned) }
     }
 
@@ -232,9 +248,7 @@ impl std::ops::Deref for CopyBuf {
 impl Clone for CopyBuf {
     /// A pageable copy of the values (see the type's docs).
     fn clone(&self) -> Self {
-        let mut c = Self::zeroed(self.len);
-        c.as_mut_slice().copy_from_slice(self.as_slice());
-        c
+        Self::from_slice(self.as_slice())
     }
 }
 
