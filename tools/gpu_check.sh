@@ -16,7 +16,10 @@
 #      page-locked bf16 copy, and from pageable and staged data), the GEMM peak, the host optimizer;
 #      writes $OUT/cuda-measured.toml
 #   2. lt selftest --device cuda $SELFTEST_ARGS --json: CUDA vs CPU parity on tiny fixtures
-#      (tools/fixtures/), bf16 on a dense and a hybrid fixture by default
+#      (tools/fixtures/), bf16 on a dense and a hybrid fixture by default; then the same with the
+#      GEMMs on cuBLAS (LT_GEMM=cublas, not yet run on a GPU) and, if that passes, the GEMM peak
+#      through cuBLAS (into $OUT/cuda-cublas-gemm.toml); the benchmarks then run with cuBLAS
+#      (settings.gemm; LT_GEMM=cubecl in the environment keeps cubecl's kernels throughout)
 #   3. lt bench train, Qwen2.5-7B (random init), seq 1024, batch $BATCH, steps $STEPS + $WARMUP
 #      warm-up, policy auto and then megatrain, on the measured profile if step 1 wrote one (else the
 #      built-in h200); each run reports the device memory reserved and the process's RSS per step
@@ -39,8 +42,9 @@
 # driver, lavapipe included, with a small MODEL), BATCH (8), SEQ (1024), STEPS (6), WARMUP (1),
 # MODEL, PAIR_MODEL, PAIR_SEQ (1024), FIXTURES, SELFTEST_ARGS, PROFILE_SKIP (layer,disk), HW (the
 # built-in profile when `lt profile` fails: h200 on cuda, cpu on wgpu), and the limits in seconds
-# BUDGET_S (560 in all: a device call may run 600), PROFILE_S (60), SELFTEST_S (180), BENCH_S (240,
-# the first policy), BENCH2_S (120, the second), PAIR_S (60), LAYER_S (120).
+# BUDGET_S (560 in all: a device call may run 600), PROFILE_S (60), SELFTEST_S (180), SELFTEST2_S
+# (90, the cuBLAS selftest), GEMM_S (45), BENCH_S (240, the first policy), BENCH2_S (120, the
+# second), PAIR_S (60), LAYER_S (120).
 # Exit code: 0 when every step passed, 1 otherwise.
 
 set -u -o pipefail
@@ -66,6 +70,8 @@ if [[ $DEVICE == cuda ]]; then HW=${HW:-h200}; else HW=${HW:-cpu}; fi
 # Seconds: the whole script, and each step at most (a step gets less when the budget runs short).
 BUDGET_S=${BUDGET_S:-560}
 SELFTEST_S=${SELFTEST_S:-180}
+SELFTEST2_S=${SELFTEST2_S:-90}
+GEMM_S=${GEMM_S:-45}
 PROFILE_S=${PROFILE_S:-60}
 BENCH_S=${BENCH_S:-240}
 BENCH2_S=${BENCH2_S:-120}
@@ -120,8 +126,8 @@ write_json() {
         printf '  "elapsed_seconds": %d,\n' "$((SECONDS - T0))"
         printf '  "lt": %s,\n' "$(json_str "$LT")"
         printf '  "lt_version": %s,\n' "$(json_str "$LT_VERSION")"
-        printf '  "settings": {"device": %s, "batch_size": %d, "seq_len": %d, "steps": %d, "warmup": %d, "model_config": %s, "pair_model_config": %s, "budget_seconds": %d, "upload_copy": %s, "pin_copy": %s, "bf16_grads": %s, "pinned_uploads": %s},\n' \
-            "$(json_str "$DEVICE")" "$BATCH" "$SEQ" "$STEPS" "$WARMUP" "$(json_str "$MODEL")" "$(json_str "$PAIR_MODEL")" "$BUDGET_S" "$(json_str "${UPLOAD_COPY:-on}")" "$(json_str "${PIN_COPY:-on}")" "$(json_str "${BF16_GRADS:-on}")" "$(json_str "${LT_PINNED_UPLOADS:-off}")"
+        printf '  "settings": {"device": %s, "batch_size": %d, "seq_len": %d, "steps": %d, "warmup": %d, "model_config": %s, "pair_model_config": %s, "budget_seconds": %d, "upload_copy": %s, "pin_copy": %s, "bf16_grads": %s, "pinned_uploads": %s, "gemm": %s},\n' \
+            "$(json_str "$DEVICE")" "$BATCH" "$SEQ" "$STEPS" "$WARMUP" "$(json_str "$MODEL")" "$(json_str "$PAIR_MODEL")" "$BUDGET_S" "$(json_str "${UPLOAD_COPY:-on}")" "$(json_str "${PIN_COPY:-on}")" "$(json_str "${BF16_GRADS:-on}")" "$(json_str "${LT_PINNED_UPLOADS:-off}")" "$(json_str "${GEMM_LIB:-cubecl}")"
         printf '  "host": {"nproc": %s, "mem_total_kib": %s, "kernel": %s},\n' \
             "$(nproc 2>/dev/null || echo null)" "${MEM_KIB:-null}" "$(json_str "$(uname -r)")"
         printf '  "cuda_runtime": %s,\n' "$(json_str "$CUDA_NOTE")"
@@ -225,6 +231,7 @@ write_json
 # page-locked unless LT_PIN_COPY=0.
 PROFILE="$OUT/$DEVICE-measured.toml"
 run_step profile "$PROFILE_S" "$LT" profile --device "$DEVICE" --out "$PROFILE" --skip "$PROFILE_SKIP" --json
+GEMM_CUBECL=$(json_num "$LAST" gemm_tflops)
 if [[ $RC -eq 0 && -s $PROFILE ]]; then HARDWARE=$PROFILE; else HARDWARE=$HW; fi
 
 # 2. Backend parity (SELFTEST_ARGS: bf16 on two fixtures, a dense and a hybrid one, by default).
@@ -277,6 +284,27 @@ if [[ $RC -ne 0 && $TIMED_OUT == false && $KILLED == false && $UPLOAD_COPY != 0 
     fi
 fi
 
+# 2b. The GEMMs on cuBLAS (LT_GEMM=cublas: burn-cubecl's matmul hook, lt_model::gemm), which has
+# not run on a GPU yet: parity on the same fixtures first; only if it passes, the GEMM peak through
+# cuBLAS, and the benchmarks below run with it (both policies alike, so their ratio stays fair).
+GEMM_LIB=cubecl
+CUBLAS="not run"
+if [[ $DEVICE == cuda && ${LT_GEMM:-} != cubecl ]]; then
+    # shellcheck disable=SC2086
+    run_step selftest-cublas "$SELFTEST2_S" env LT_GEMM=cublas "$LT" selftest --device "$DEVICE" \
+        --fixtures "$FIXTURES" $SELFTEST_ARGS --json
+    if [[ $RC -eq 0 && $LAST == *'"passed":true'* && $LAST != *'"passed":false'* ]]; then
+        CUBLAS=passed
+        run_step gemm-cublas "$GEMM_S" env LT_GEMM=cublas "$LT" profile --device "$DEVICE" \
+            --out "$OUT/$DEVICE-cublas-gemm.toml" --skip transfers,layer,disk,optimizer --json
+        GEMM_CUBLAS=$(json_num "$LAST" gemm_tflops)
+        export LT_GEMM=cublas
+        GEMM_LIB=cublas
+    else
+        CUBLAS="failed or did not finish (see $OUT/logs/selftest-cublas.stderr); benchmarks on cubecl's kernels"
+    fi
+fi
+
 # 3. One streamed training benchmark, both policies in this run; the first compiles and autotunes
 # the 7B's kernels (the cache makes the second cheap).
 for POLICY in auto megatrain; do
@@ -312,7 +340,7 @@ if [[ -n $TF_AUTO && -n $TF_MT ]]; then
     RATIO=$(awk -v a="$TF_AUTO" -v b="$TF_MT" 'BEGIN { if (b > 0) printf "%.3f", a / b }')
 fi
 num_or_null() { if [[ -n $1 ]]; then printf '%s' "$1"; else printf 'null'; fi; }
-SUMMARY_JSON="{\"selftest\": $(json_str "$SELFTEST"), \"tflops_6pt_auto\": $(num_or_null "$TF_AUTO"), \"tflops_6pt_megatrain\": $(num_or_null "$TF_MT"), \"auto_over_megatrain_tflops\": $(num_or_null "$RATIO"), \"step_seconds_auto\": $(num_or_null "$STEP_AUTO"), \"step_seconds_megatrain\": $(num_or_null "$STEP_MT"), \"predicted_step_seconds_auto\": $(num_or_null "$PRED_AUTO"), \"predicted_step_seconds_megatrain\": $(num_or_null "$PRED_MT"), \"device_reserved_bytes_step2_auto\": $(num_or_null "$RESERVED2_AUTO"), \"device_reserved_bytes_last_auto\": $(num_or_null "$RESERVED_LAST_AUTO"), \"peak_host_rss_bytes_auto\": $(num_or_null "$RSS_AUTO"), \"hybrid_pair_step_seconds\": $(num_or_null "$PAIR_STEP"), \"failed_steps\": $FAILED}"
+SUMMARY_JSON="{\"selftest\": $(json_str "$SELFTEST"), \"tflops_6pt_auto\": $(num_or_null "$TF_AUTO"), \"tflops_6pt_megatrain\": $(num_or_null "$TF_MT"), \"auto_over_megatrain_tflops\": $(num_or_null "$RATIO"), \"step_seconds_auto\": $(num_or_null "$STEP_AUTO"), \"step_seconds_megatrain\": $(num_or_null "$STEP_MT"), \"predicted_step_seconds_auto\": $(num_or_null "$PRED_AUTO"), \"predicted_step_seconds_megatrain\": $(num_or_null "$PRED_MT"), \"device_reserved_bytes_step2_auto\": $(num_or_null "$RESERVED2_AUTO"), \"device_reserved_bytes_last_auto\": $(num_or_null "$RESERVED_LAST_AUTO"), \"peak_host_rss_bytes_auto\": $(num_or_null "$RSS_AUTO"), \"hybrid_pair_step_seconds\": $(num_or_null "$PAIR_STEP"), \"cublas_selftest\": $(json_str "$CUBLAS"), \"gemm_tflops_cubecl\": $(num_or_null "${GEMM_CUBECL:-}"), \"gemm_tflops_cublas\": $(num_or_null "${GEMM_CUBLAS:-}"), \"gemm\": $(json_str "$GEMM_LIB"), \"failed_steps\": $FAILED}"
 write_json
 
 echo
@@ -327,6 +355,7 @@ for i in "${!STEP_JSON[@]}"; do
     printf '  %-16s exit %s in %s s\n' "$name" "$rc" "$secs"
 done
 echo "  selftest:   $SELFTEST"
+echo "  cuBLAS:     selftest $CUBLAS; GEMM peak ${GEMM_CUBECL:-?} TFLOPS (cubecl) / ${GEMM_CUBLAS:-?} TFLOPS (cuBLAS); benchmarks on $GEMM_LIB"
 echo "  hardware:   ${HARDWARE:-none}"
 MODEL_NAME=$(basename "$MODEL" .json)
 [[ $MODEL_NAME == config ]] && MODEL_NAME=$(basename "$(dirname "$MODEL")")

@@ -153,7 +153,7 @@ pub fn reserved_bytes<D: Any>(device: &D) -> Option<u64> {
 
 /// The first line of a caught panic's message, or `otherwise` when it carries no text.
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
-fn panic_line(p: &(dyn Any + Send), otherwise: &str) -> String {
+pub(crate) fn panic_line(p: &(dyn Any + Send), otherwise: &str) -> String {
     p.downcast_ref::<String>()
         .map(String::as_str)
         .or_else(|| p.downcast_ref::<&str>().copied())
@@ -242,6 +242,9 @@ pub mod cuda {
         pub kernel_cache: Option<PathBuf>,
         /// Whether upload copies are page-locked (`LT_PIN_COPY`, on by default).
         pub pinning: bool,
+        /// Which library computes the matrix products: `"cubecl"` (its kernels, the default) or
+        /// `"cublas"` (`LT_GEMM=cublas`: one cuBLAS call per product, [`crate::gemm::cuda`]).
+        pub gemm: &'static str,
     }
 
     /// The primary context of device 0, the one cubecl-cuda runs in.
@@ -343,7 +346,9 @@ pub mod cuda {
     /// at [`kernel_cache_dir`] (the first run on a GPU compiles every kernel with NVRTC on one host
     /// thread: minutes on the first H200 run, 2026-12-04; later runs load them) unless a
     /// `cubecl.toml` configured one, and installs page-locking for upload copies unless
-    /// `LT_PIN_COPY=0`. `Err` with one line when there is no usable driver or device.
+    /// `LT_PIN_COPY=0`, and with `LT_GEMM=cublas` routes matrix products to cuBLAS
+    /// ([`crate::gemm::cuda`]). `Err` with one line when there is no usable driver or device, or
+    /// cuBLAS was asked for and cannot be loaded.
     pub fn setup() -> Result<Setup, String> {
         static DONE: OnceLock<Result<Setup, String>> = OnceLock::new();
         DONE.get_or_init(|| {
@@ -353,7 +358,15 @@ pub mod cuda {
             if pinning {
                 crate::upload::set_pinner(crate::upload::Pinner { register, unregister });
             }
-            Ok(Setup { compute_capability: *cc, kernel_cache, pinning })
+            let gemm = match std::env::var("LT_GEMM").as_deref() {
+                Ok("cublas") => {
+                    crate::gemm::cuda::install().map_err(|e| format!("LT_GEMM=cublas: {e}"))?;
+                    "cublas"
+                }
+                Ok("cubecl") | Ok("") | Err(_) => "cubecl",
+                Ok(other) => return Err(format!("LT_GEMM={other}: expected cubecl or cublas")),
+            };
+            Ok(Setup { compute_capability: *cc, kernel_cache, pinning, gemm })
         })
         .clone()
     }

@@ -17,6 +17,7 @@
 pub mod delta;
 pub mod device;
 pub mod error;
+pub mod gemm;
 pub mod generate;
 pub mod host;
 pub mod layer;
@@ -46,6 +47,10 @@ pub type CudaF32Backend = burn_cuda::Cuda<f32, i32>;
 /// The f32 CUDA backend with autodiff.
 #[cfg(feature = "cuda")]
 pub type CudaF32Autodiff = burn::backend::Autodiff<CudaF32Backend>;
+
+/// The device runtime crates, for code that works on burn-cubecl's tensors (the matmul hook's tests).
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+pub use {burn_cubecl, cubecl};
 
 /// The wgpu backend (Vulkan, Metal, DX12; lavapipe in CI), in f32: WGSL has no bf16, so weights are
 /// uploaded and computed in f32 (4 bytes per element on the device, which the budget counts).

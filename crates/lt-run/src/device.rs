@@ -75,8 +75,9 @@ pub fn cuda() -> anyhow::Result<<lt_model::CudaBackend as burn::tensor::backend:
             None => "no kernel cache (LT_KERNEL_CACHE=off, or set by a cubecl.toml)".into(),
         };
         let pin = if s.pinning { "upload copies page-locked" } else { "upload copies pageable (LT_PIN_COPY=0)" };
+        let gemm = if s.gemm == "cublas" { "GEMMs by cuBLAS (LT_GEMM=cublas)" } else { "GEMMs by cubecl's kernels" };
         eprintln!(
-            "cuda: device 0, compute capability {}.{}; {cache}; {pin}",
+            "cuda: device 0, compute capability {}.{}; {cache}; {pin}; {gemm}",
             s.compute_capability.0, s.compute_capability.1
         );
     });

@@ -18,6 +18,9 @@ pub mod tensor;
 /// Elements for JIT backend
 pub mod element;
 
+/// LazyTrain patch: the matmul hook (see the module docs).
+pub mod matmul_hook;
+
 use cubecl::{CubeTask, Runtime};
 pub use element::{BoolElement, CubeElement, FloatElement, IntElement};
 

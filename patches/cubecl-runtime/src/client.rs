@@ -209,6 +209,17 @@ impl<R: Runtime> ComputeClient<R> {
             .unwrap()
     }
 
+    /// Runs `task` on the server of this client's device, with the stream this client operates
+    /// on, under the same exclusion as every other server call. (LazyTrain patch: lets a caller
+    /// that knows the concrete server, such as cubecl-cuda's `CudaServer::native_call`, enqueue
+    /// library work on the stream in order with the kernels.)
+    pub fn with_server<T: Send>(&self, task: impl FnOnce(&mut R::Server, StreamId) -> T + Send) -> T {
+        let stream_id = self.stream_id();
+        self.device
+            .submit_blocking(move |server| task(server, stream_id))
+            .unwrap()
+    }
+
     fn do_create_from_slices(
         &self,
         descriptors: Vec<MemoryLayoutDescriptor>,

@@ -534,6 +534,35 @@ impl ServerCommunication for CudaServer {
 }
 
 impl CudaServer {
+    /// LazyTrain patch: runs `call` with the `CUstream` of `stream_id` and the device addresses of
+    /// `bindings` (offsets applied), resolved as a kernel launch resolves its buffers (including
+    /// the waits on other streams that wrote them), with this device's context current. Work that
+    /// `call` enqueues on the stream is ordered with the kernels before and after it, exactly as a
+    /// kernel launched here would be; it must not outlive the bindings' memory, which the caller's
+    /// handles keep alive as they do for a kernel. Reached through
+    /// `ComputeClient::with_server` (patched cubecl-runtime).
+    pub fn native_call<T>(
+        &mut self,
+        stream_id: StreamId,
+        bindings: Vec<Binding>,
+        call: impl FnOnce(*mut c_void, &[u64]) -> T,
+    ) -> Result<T, ServerError> {
+        let mut command = self.command(
+            stream_id,
+            bindings.iter(),
+            StreamErrorMode {
+                ignore: false,
+                flush: false,
+            },
+        )?;
+        let mut ptrs = Vec::with_capacity(bindings.len());
+        for binding in bindings {
+            ptrs.push(command.resource(binding)?.ptr);
+        }
+        let stream = command.streams.current().sys;
+        Ok(call(stream.cast(), &ptrs))
+    }
+
     /// Create a new cuda server.
     pub(crate) fn new(
         ctx: CudaContext,
