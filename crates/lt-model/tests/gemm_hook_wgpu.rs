@@ -16,7 +16,6 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::any::Any;
-use std::path::Path;
 use std::sync::Once;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -26,10 +25,13 @@ use lt_model::burn_cubecl::tensor::CubeTensor;
 use lt_model::cubecl::wgpu::WgpuRuntime;
 use lt_model::gemm::{hook::prepare, reference_gemm};
 use lt_model::host::HostModel;
-use lt_model::model::{Batch, forward_logits, full_graph_grads, to_vec};
+use lt_model::model::{forward_logits, full_graph_grads, to_vec};
 use lt_model::weights::DeviceModel;
 use lt_model::{CpuBackend, WgpuAutodiff, WgpuBackend};
 use lt_storage::safetensors_io::SafetensorsModel;
+
+mod fixture;
+use fixture::{batch, max_abs_diff};
 
 type T = CubeTensor<WgpuRuntime>;
 
@@ -62,11 +64,6 @@ fn host_gemm(lhs: &dyn Any, rhs: &dyn Any) -> Option<Box<dyn Any>> {
 fn install() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| assert!(set_matmul_hook(host_gemm), "no other hook in this test binary"));
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
 
 /// Products as Burn's tensor API makes them (views, not copies), against the CPU backend.
@@ -125,7 +122,7 @@ fn hooked_models_match_transformers() {
     install();
     let device = lt_model::device::wgpu_device().unwrap_or_else(|e| panic!("{e}"));
     for name in ["qwen2-untied-mqa", "qwen3-tied-mqa", "qwen35-hybrid"] {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tools/fixtures/models").join(name);
+        let dir = fixture::dir(name);
         let host = HostModel::load(&dir).unwrap();
         let exp = SafetensorsModel::open(&dir.join("expected.safetensors")).unwrap();
         let b = batch(&dir);
@@ -155,15 +152,4 @@ fn hooked_models_match_transformers() {
             DECLINED.load(Ordering::Relaxed)
         );
     }
-}
-
-fn batch(dir: &Path) -> Batch {
-    let text = std::fs::read_to_string(dir.join("tokens.jsonl")).unwrap();
-    let (mut ids, mut labels) = (Vec::new(), Vec::new());
-    for line in text.lines() {
-        let v: serde_json::Value = serde_json::from_str(line).unwrap();
-        ids.push(v["input_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect());
-        labels.push(v["labels"].as_array().unwrap().iter().map(|x| x.as_i64().unwrap()).collect());
-    }
-    Batch::new(ids, labels)
 }

@@ -7,47 +7,19 @@
 //! expected tensor (so near-zero entries do not dominate).
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
 
-use std::path::{Path, PathBuf};
-
 use burn::backend::Autodiff;
 use burn::tensor::Tensor;
 use lt_model::host::HostModel;
 use lt_model::layer::{SeqCtx, layer_backward, layer_forward};
 use lt_model::model::{
-    Batch, causal_lm_loss, embed, forward_logits, forward_logits_ctx, full_graph_grads, head_logits, to_vec,
+    causal_lm_loss, embed, forward_logits, forward_logits_ctx, full_graph_grads, head_logits, to_vec,
 };
 use lt_model::weights::DeviceModel;
 use lt_model::{CpuAutodiff, CpuBackend, DeltaForm};
 use lt_storage::safetensors_io::SafetensorsModel;
 
-const FIXTURES: [&str; 6] =
-    ["qwen2-tied-gqa", "qwen2-untied-mqa", "qwen3-hd16-gqa", "qwen3-tied-mqa", "qwen35-hybrid", "qwen35-wrapped"];
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tools/fixtures/models").join(name)
-}
-
-fn batch(dir: &Path) -> Batch {
-    let text = std::fs::read_to_string(dir.join("tokens.jsonl")).unwrap();
-    let mut ids = Vec::new();
-    let mut labels = Vec::new();
-    for line in text.lines() {
-        let v: serde_json::Value = serde_json::from_str(line).unwrap();
-        ids.push(v["input_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect());
-        labels.push(v["labels"].as_array().unwrap().iter().map(|x| x.as_i64().unwrap()).collect());
-    }
-    Batch::new(ids, labels)
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
-}
-
-fn rel_to_max(got: &[f32], want: &[f32]) -> f32 {
-    let scale = want.iter().map(|x| x.abs()).fold(0.0, f32::max).max(1e-12);
-    max_abs_diff(got, want) / scale
-}
+mod fixture;
+use fixture::{FIXTURES, batch, dir as fixture, max_abs_diff, rel_to_max};
 
 #[test]
 fn logits_match_transformers() {
