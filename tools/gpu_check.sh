@@ -301,7 +301,7 @@ if [[ $DEVICE == cuda && ${LT_GEMM:-} != cubecl ]]; then
         export LT_GEMM=cublas
         GEMM_LIB=cublas
     else
-        CUBLAS="failed or did not finish (see $OUT/logs/selftest-cublas.stderr); benchmarks on cubecl's kernels"
+        CUBLAS="failed or did not finish (see $OUT/logs/selftest-cublas.stderr)"
     fi
 fi
 
