@@ -151,9 +151,22 @@ pub fn reserved_bytes<D: Any>(device: &D) -> Option<u64> {
     None
 }
 
+/// Runs `f`, turning a panic into `Err` with the first line of its message (`otherwise` when it
+/// carries none) and keeping the panic's multi-line report off stderr: for the runtimes and
+/// libraries that panic when a driver or shared library is missing (cubecl's wgpu setup, cudarc's
+/// loaders).
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+pub(crate) fn catch_quietly<T>(f: impl FnOnce() -> T + std::panic::UnwindSafe, otherwise: &str) -> Result<T, String> {
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let r = std::panic::catch_unwind(f);
+    std::panic::set_hook(hook);
+    r.map_err(|p| panic_line(p.as_ref(), otherwise))
+}
+
 /// The first line of a caught panic's message, or `otherwise` when it carries no text.
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
-pub(crate) fn panic_line(p: &(dyn Any + Send), otherwise: &str) -> String {
+fn panic_line(p: &(dyn Any + Send), otherwise: &str) -> String {
     p.downcast_ref::<String>()
         .map(String::as_str)
         .or_else(|| p.downcast_ref::<&str>().copied())
@@ -170,16 +183,15 @@ pub(crate) fn panic_line(p: &(dyn Any + Send), otherwise: &str) -> String {
 pub fn wgpu_device() -> Result<burn_wgpu::WgpuDevice, String> {
     static INIT: OnceLock<Result<(), String>> = OnceLock::new();
     let init = INIT.get_or_init(|| {
-        // The runtime's setup panics without an adapter; keep its multi-line panic report off stderr.
-        let hook = std::panic::take_hook();
-        std::panic::set_hook(Box::new(|_| {}));
-        let r = std::panic::catch_unwind(|| {
-            use cubecl::Runtime as _;
-            drop(cubecl::wgpu::WgpuRuntime::client(&burn_wgpu::WgpuDevice::default()));
-        });
-        std::panic::set_hook(hook);
-        r.map(|_| ()).map_err(|p| {
-            let why = panic_line(p.as_ref(), "the runtime panicked");
+        // The runtime's setup panics without an adapter.
+        let r = catch_quietly(
+            || {
+                use cubecl::Runtime as _;
+                drop(cubecl::wgpu::WgpuRuntime::client(&burn_wgpu::WgpuDevice::default()));
+            },
+            "the runtime panicked",
+        );
+        r.map_err(|why| {
             format!(
                 "no wgpu adapter ({why}): install a Vulkan driver, e.g. `apt-get install -y mesa-vulkan-drivers \
                  libvulkan1` (lavapipe, which runs on the CPU)"
@@ -262,30 +274,27 @@ pub mod cuda {
     fn primary() -> Result<&'static Found, String> {
         static P: OnceLock<Result<Found, String>> = OnceLock::new();
         P.get_or_init(|| {
-            // Keep cudarc's panic report off stderr: the error below says it in one line.
-            let hook = std::panic::take_hook();
-            std::panic::set_hook(Box::new(|_| {}));
-            let found = std::panic::catch_unwind(|| -> Result<Found, String> {
-                result::init().map_err(|e| format!("cuInit: {e:?}"))?;
-                let dev = result::device::get(0).map_err(|e| format!("no CUDA device 0: {e:?}"))?;
-                let attr = |a| {
-                    // SAFETY: `dev` came from `device::get`.
-                    unsafe { result::device::get_attribute(dev, a) }.map_err(|e| format!("{e:?}"))
-                };
-                let cc = (
-                    attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
-                    attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
-                );
-                // SAFETY: `dev` came from `device::get`; the primary context is retained for the
-                // process's life, as cubecl-cuda retains it.
-                let ctx = unsafe { result::primary_ctx::retain(dev) }.map_err(|e| format!("{e:?}"))?;
-                Ok((Primary(ctx), cc))
-            });
-            std::panic::set_hook(hook);
-            match found {
-                Ok(r) => r,
-                Err(panic) => Err(super::panic_line(panic.as_ref(), "the CUDA driver could not be loaded")),
-            }
+            // cudarc panics when libcuda cannot be loaded: one line instead.
+            let found = super::catch_quietly(
+                || -> Result<Found, String> {
+                    result::init().map_err(|e| format!("cuInit: {e:?}"))?;
+                    let dev = result::device::get(0).map_err(|e| format!("no CUDA device 0: {e:?}"))?;
+                    let attr = |a| {
+                        // SAFETY: `dev` came from `device::get`.
+                        unsafe { result::device::get_attribute(dev, a) }.map_err(|e| format!("{e:?}"))
+                    };
+                    let cc = (
+                        attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+                        attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+                    );
+                    // SAFETY: `dev` came from `device::get`; the primary context is retained for the
+                    // process's life, as cubecl-cuda retains it.
+                    let ctx = unsafe { result::primary_ctx::retain(dev) }.map_err(|e| format!("{e:?}"))?;
+                    Ok((Primary(ctx), cc))
+                },
+                "the CUDA driver could not be loaded",
+            );
+            found.and_then(|r| r)
         })
         .as_ref()
         .map_err(Clone::clone)

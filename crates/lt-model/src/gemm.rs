@@ -263,7 +263,7 @@ mod tests {
         out_shape: &[usize],
     ) -> Vec<f32> {
         let r = out_shape.len();
-        let (m, n, k) = (out_shape[r - 2], out_shape[r - 1], ls[ls.len() - 1]);
+        let k = ls[ls.len() - 1];
         let total: usize = out_shape.iter().product();
         let mut out = vec![0f32; total];
         let mut idx = vec![0usize; r];
@@ -287,7 +287,6 @@ mod tests {
                 acc += f64::from(x) * f64::from(y);
             }
             *v = acc as f32;
-            let _ = (m, n);
         }
         out
     }
@@ -444,17 +443,14 @@ pub mod cuda {
     /// Loads libcublas and installs the hook; `Err` with one line when the library cannot be
     /// loaded (cudarc panics then: caught here) or a hook was installed already.
     pub fn install() -> Result<(), String> {
-        let hook = std::panic::take_hook();
-        std::panic::set_hook(Box::new(|_| {}));
-        // SAFETY: loads the shared library (cudarc's lazy loader) and looks a symbol up; nothing
-        // is called, and the symbol is read as an untyped pointer.
-        let loaded =
-            std::panic::catch_unwind(|| unsafe { cb::culib().get::<*const ()>(b"cublasGemmStridedBatchedEx") }.is_ok());
-        std::panic::set_hook(hook);
-        match loaded {
-            Ok(true) => {}
-            Ok(false) => return Err("libcublas has no cublasGemmStridedBatchedEx".into()),
-            Err(p) => return Err(crate::device::panic_line(p.as_ref(), "libcublas could not be loaded")),
+        // SAFETY: loads the shared library (cudarc's lazy loader, which panics when it is missing)
+        // and looks a symbol up; nothing is called, and the symbol is read as an untyped pointer.
+        let loaded = crate::device::catch_quietly(
+            || unsafe { cb::culib().get::<*const ()>(b"cublasGemmStridedBatchedEx") }.is_ok(),
+            "libcublas could not be loaded",
+        )?;
+        if !loaded {
+            return Err("libcublas has no cublasGemmStridedBatchedEx".into());
         }
         if burn_cubecl::matmul_hook::set_matmul_hook(hook_fn) {
             Ok(())
@@ -488,16 +484,15 @@ pub mod cuda {
             T::new_contiguous(client.clone(), p.b.device.clone(), p.out_shape.clone().into(), out_handle, p.dtype);
         let bindings = vec![p.a.handle.clone().binding(), p.b.handle.clone().binding(), out.handle.clone().binding()];
         let call = p.call;
-        let result = client.with_server(move |server, stream_id| {
-            server.native_call(stream_id, bindings, |stream, ptrs| gemm(stream, ptrs, &call, ty))
-        });
+        let result = client
+            .with_server(move |server, stream_id| {
+                server.native_call(stream_id, bindings, |stream, ptrs| gemm(stream, ptrs, &call, ty))
+            })
+            .map_err(|e| e.to_string())
+            .and_then(|r| r);
         match result {
-            Ok(Ok(())) => Some(Box::new(out)),
-            failed => {
-                let e = match failed {
-                    Err(e) => e.to_string(),
-                    Ok(r) => r.err().unwrap_or_default(),
-                };
+            Ok(()) => Some(Box::new(out)),
+            Err(e) => {
                 let e = e.lines().next().unwrap_or_default();
                 if ENABLED.swap(false, Ordering::Relaxed) {
                     eprintln!("warning: cuBLAS GEMM failed ({e}); the rest of the run uses cubecl's matmul kernels");

@@ -149,8 +149,7 @@ impl CopyBuf {
     /// moved into whole pages of its own (one copy of the values); a smaller one keeps `data`.
     pub fn new(data: Vec<half::bf16>) -> Self {
         if std::mem::size_of_val(data.as_slice()) < PIN_MIN_BYTES {
-            let len = data.len();
-            return Self { buf: data, off: 0, len, pin: Mutex::new(PinState::Unpinned) };
+            return Self::unpaged(data);
         }
         Self::from_slice(&data)
     }
@@ -158,16 +157,22 @@ impl CopyBuf {
     /// A copy of `src`, on whole pages of its own when large enough to be page-locked.
     fn from_slice(src: &[half::bf16]) -> Self {
         if std::mem::size_of_val(src) < PIN_MIN_BYTES {
-            return Self { buf: src.to_vec(), off: 0, len: src.len(), pin: Mutex::new(PinState::Unpinned) };
+            return Self::unpaged(src.to_vec());
         }
         Self::paged(src.len(), |b| b.extend_from_slice(src))
+    }
+
+    /// `buf` as it is: a copy too small to be page-locked.
+    fn unpaged(buf: Vec<half::bf16>) -> Self {
+        let len = buf.len();
+        Self { buf, off: 0, len, pin: Mutex::new(PinState::Unpinned) }
     }
 
     /// `len` zeros (to be written with [`as_mut_slice`](Self::as_mut_slice)), on whole pages of their
     /// own when large enough to be page-locked, on transparent huge pages where they span some.
     pub fn zeroed(len: usize) -> Self {
         if len.saturating_mul(std::mem::size_of::<half::bf16>()) < PIN_MIN_BYTES {
-            return Self { buf: vec![half::bf16::ZERO; len], off: 0, len, pin: Mutex::new(PinState::Unpinned) };
+            return Self::unpaged(vec![half::bf16::ZERO; len]);
         }
         Self::paged(len, |b| b.resize(b.len() + len, half::bf16::ZERO))
     }
