@@ -114,7 +114,7 @@ fn plan_file_round_trip_runs_the_planned_step() {
             .args(["--steps", "2", "--plan"])
             .arg(&plan)
             .arg("--out")
-            .arg(dir.path().join("run"))
+            .arg(dir.path().join(format!("run{}", extra.join(""))))
             .args(extra)
             .output()
             .unwrap()
@@ -124,6 +124,22 @@ fn plan_file_round_trip_runs_the_planned_step() {
     assert!(st.status.success(), "{err}");
     assert!(out.contains(&format!("vs {predicted:.3} s predicted")), "{out}");
     assert!(err.contains(&format!("predicted step {predicted:.3} s")), "{err}");
+    let default = lt_run::OptimizerChoice::DEFAULT.name();
+    assert!(err.contains(&format!("optimizer {default} (8-bit moments")), "the plan's 8-bit state runs the default: {err}");
+
+    // The plan fixes the state's size, which both 8-bit formats share: either runs under it.
+    for name in ["adamw8bit", "adamw8bit-f8"] {
+        let st = train(&["--optimizer", name]);
+        let err = String::from_utf8_lossy(&st.stderr);
+        assert!(st.status.success(), "{name}: {err}");
+        assert!(err.contains(&format!("optimizer {name} (8-bit moments")), "{err}");
+    }
+    let st = train(&["--optimizer", "adamw"]);
+    let err = String::from_utf8_lossy(&st.stderr);
+    assert!(!st.status.success());
+    assert!(err.contains("p.json") && err.contains("optimizer_state: the plan was solved for 8-bit"), "{err}");
+    assert!(err.contains("--optimizer is adamw"), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
 
     let st = train(&["--seq-len", "16"]);
     let err = String::from_utf8_lossy(&st.stderr);

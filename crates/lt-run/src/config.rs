@@ -39,12 +39,24 @@ pub enum OptimizerChoice {
 }
 
 impl OptimizerChoice {
+    /// What `lt train`, `lt plan` and `lt profile` use when `--optimizer` is not given.
+    pub const DEFAULT: Self = OptimizerChoice::Adamw8bit;
+
     /// The name on the command line and in reports (`adamw8bit`).
     pub fn name(self) -> &'static str {
         match self {
             OptimizerChoice::Adamw => "adamw",
             OptimizerChoice::Adamw8bit => "adamw8bit",
             OptimizerChoice::Adamw8bitF8 => "adamw8bit-f8",
+        }
+    }
+
+    /// What the state is, in a few words (the run's optimizer line).
+    pub fn what(self) -> &'static str {
+        match self {
+            OptimizerChoice::Adamw => "fp32 moments",
+            OptimizerChoice::Adamw8bit => "8-bit moments, bitsandbytes' dynamic maps",
+            OptimizerChoice::Adamw8bitF8 => "8-bit moments, f8 codes",
         }
     }
 
@@ -412,6 +424,24 @@ pub struct RunSettings {
 }
 
 impl RunSettings {
+    /// One line saying which optimizer runs and how: `optimizer adamw8bit (8-bit moments, ...), lr ...`.
+    pub fn optimizer_line(&self) -> String {
+        let a = &self.adamw;
+        let schedule = match self.schedule {
+            LrSchedule::Constant => "constant",
+            LrSchedule::Cosine => "cosine decay",
+        };
+        format!(
+            "optimizer {} ({}): lr {:.2e}, {schedule} after {} warmup steps, weight decay {}, {}",
+            self.optimizer.name(),
+            self.optimizer.what(),
+            a.lr,
+            self.warmup_steps,
+            a.weight_decay,
+            a.max_grad_norm.map_or("no clipping".to_string(), |n| format!("clipped to global norm {n}"))
+        )
+    }
+
     /// The planner's hardware profile: the named one (or the `.toml` file), with the device and host
     /// budgets replaced where the settings give them.
     pub fn hardware_profile(&self) -> Result<HardwareProfile> {
@@ -481,7 +511,7 @@ impl RunSettings {
             micro_batch_size: o.micro_batch_size,
             seq_len,
             adamw,
-            optimizer: o.optimizer.or(from_plan.as_ref().map(|p| p.optimizer)).unwrap_or(OptimizerChoice::Adamw8bit),
+            optimizer: o.optimizer.or(from_plan.as_ref().map(|p| p.optimizer)).unwrap_or(OptimizerChoice::DEFAULT),
             warmup_steps: o.warmup_steps.unwrap_or(d(demo, 20, 0)),
             schedule: if o.cosine || demo { LrSchedule::Cosine } else { LrSchedule::Constant },
             shuffle: !o.no_shuffle,
@@ -546,17 +576,21 @@ with the next forward, or runs it serially); re-plan with `lt plan --optimizer-o
                 "{file}: optimizer_overlap: the plan overlaps the optimizer with the next forward, but --serial-optimizer asks for serial"
             );
         }
-        let optimizer = match p.optimizer_state {
-            OptimizerState::Fp32 => OptimizerChoice::Adamw,
-            OptimizerState::Blockwise8bit => OptimizerChoice::Adamw8bit,
-        };
-        if let Some(given) = o.optimizer.filter(|g| *g != optimizer) {
+        // The plan fixes the state's size, not the 8-bit format: both formats take the same bytes.
+        if let Some(given) = o.optimizer.filter(|g| g.state() != p.optimizer_state) {
+            let planned = match p.optimizer_state {
+                OptimizerState::Fp32 => "fp32",
+                OptimizerState::Blockwise8bit => "8-bit",
+            };
             bail!(
-                "{file}: optimizer_state: the plan was solved for {} state, but --optimizer is {}",
-                optimizer.name(),
+                "{file}: optimizer_state: the plan was solved for {planned} optimizer state, but --optimizer is {}",
                 given.name()
             );
         }
+        let optimizer = match p.optimizer_state {
+            OptimizerState::Fp32 => OptimizerChoice::Adamw,
+            OptimizerState::Blockwise8bit => OptimizerChoice::DEFAULT,
+        };
         for (field, flag, given, planned) in
             [("batch_size", "--batch-size", o.batch_size, p.batch_size), ("seq_len", "--seq-len", o.seq_len, p.seq_len)]
         {

@@ -149,6 +149,7 @@ impl Run {
             .with_context(|| format!("{}: cannot create the output folder", s.out.display()))?;
         let inputs = crate::data::load(s)?;
         obs.emit(&Event::Data { summary: &inputs.prepared.report.summary() })?;
+        obs.emit(&Event::Note(&s.optimizer_line()))?;
         anyhow::ensure!(!inputs.prepared.train.is_empty(), "no training examples left after preparing the data");
         crate::data::write_demo_eval_set(s, &inputs, &s.out.join("eval.json"))?;
         let cfg = inputs.host.config.clone();

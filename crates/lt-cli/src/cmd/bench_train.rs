@@ -77,7 +77,7 @@ pub struct BenchTrainArgs {
     #[command(flatten)]
     pub hw: lt_run::config::HardwareArgs,
     /// Optimizer state precision.
-    #[arg(long, value_enum, default_value = "adamw8bit")]
+    #[arg(long, value_enum, default_value_t = OptimizerChoice::DEFAULT)]
     pub optimizer: OptimizerChoice,
     /// Host optimizer threads [default: all cores].
     #[arg(long)]

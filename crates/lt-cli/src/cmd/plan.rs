@@ -64,7 +64,7 @@ pub struct PlanArgs {
     #[arg(long, default_value_t = planner::DEFAULT_MAX_SEGMENT_LEN)]
     pub max_segment_len: usize,
     /// Optimizer-state precision, for host memory (as `lt train --optimizer`).
-    #[arg(long, value_enum, default_value_t = lt_run::OptimizerChoice::Adamw8bit)]
+    #[arg(long, value_enum, default_value_t = lt_run::OptimizerChoice::DEFAULT)]
     pub optimizer: lt_run::OptimizerChoice,
 }
 

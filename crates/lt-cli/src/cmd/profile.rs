@@ -114,8 +114,8 @@ pub struct ProfileArgs {
     /// temp dir].
     #[arg(long, value_name = "DIR")]
     pub spill_dir: Option<PathBuf>,
-    /// Optimizer whose speed goes into `optimizer_gparams_per_s` (both are measured).
-    #[arg(long, value_enum, default_value = "adamw8bit")]
+    /// Optimizer whose speed goes into `optimizer_gparams_per_s` (all three are measured).
+    #[arg(long, value_enum, default_value_t = OptimizerChoice::DEFAULT)]
     pub optimizer: OptimizerChoice,
     /// Host optimizer threads [default: all cores].
     #[arg(long)]
