@@ -125,7 +125,10 @@ fn plan_file_round_trip_runs_the_planned_step() {
     assert!(out.contains(&format!("vs {predicted:.3} s predicted")), "{out}");
     assert!(err.contains(&format!("predicted step {predicted:.3} s")), "{err}");
     let default = lt_run::OptimizerChoice::DEFAULT.name();
-    assert!(err.contains(&format!("optimizer {default} (8-bit moments")), "the plan's 8-bit state runs the default: {err}");
+    assert!(
+        err.contains(&format!("optimizer {default} (8-bit moments")),
+        "the plan's 8-bit state runs the default: {err}"
+    );
 
     // The plan fixes the state's size, which both 8-bit formats share: either runs under it.
     for name in ["adamw8bit", "adamw8bit-f8"] {

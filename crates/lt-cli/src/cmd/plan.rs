@@ -23,11 +23,12 @@ pub struct PlanArgs {
     pub model_config: PathBuf,
     #[command(flatten)]
     pub hw: lt_run::config::HardwareArgs,
-    /// Sequences per optimizer step.
+    /// Sequences per optimizer step [default: the largest that fits in one micro-batch (predicted),
+    /// or --micro-batch-size when that is given].
     #[arg(long)]
-    pub batch_size: usize,
-    /// Tokens per sequence.
-    #[arg(long)]
+    pub batch_size: Option<usize>,
+    /// Tokens per sequence [default: 1024, as `lt train`].
+    #[arg(long, default_value_t = 1024)]
     pub seq_len: usize,
     /// Also report the largest batch that fits in one micro-batch, for the plan and for MegaTrain
     /// (predicted).
@@ -97,12 +98,14 @@ struct Setup {
     model_name: String,
     hw: HardwareProfile,
     req: PlanRequest,
+    /// The batch was not given: the planner's largest single micro-batch was taken.
+    batch_chosen: bool,
 }
 
 fn setup(args: &PlanArgs) -> Result<Setup> {
     let model = ModelConfig::from_path(&args.model_config)?;
     let hw = args.hw.profile(lt_core::hardware::BuiltinProfile::Cpu)?;
-    let mut req = PlanRequest::new(args.batch_size, args.seq_len);
+    let mut req = PlanRequest::new(args.batch_size.or(args.micro_batch_size).unwrap_or(1), args.seq_len);
     req.optimizer_overlap = match args.optimizer_overlap {
         OverlapArg::Auto => None,
         OverlapArg::Serial => Some(OptimizerOverlap::Serial),
@@ -122,7 +125,18 @@ fn setup(args: &PlanArgs) -> Result<Setup> {
         optimizer: args.optimizer.state(),
     };
     let model_name = model_name(&args.model_config);
-    Ok(Setup { model, model_name, hw, req })
+    let batch_chosen = args.batch_size.is_none() && args.micro_batch_size.is_none();
+    if batch_chosen {
+        // No batch given: the largest that runs as one micro-batch, so that no one has to guess.
+        req.batch_size = planner::max_batch(&model, &hw, &req, Policy::Auto)?.with_context(|| {
+            format!(
+                "not even one sequence of {} tokens fits the {} device memory of the {} profile (predicted); try a \
+shorter --seq-len or more --gpu-memory",
+                args.seq_len, hw.gpu_memory, hw.name
+            )
+        })?;
+    }
+    Ok(Setup { model, model_name, hw, req, batch_chosen })
 }
 
 fn model_name(path: &Path) -> String {
@@ -237,13 +251,18 @@ fn print_header(s: &Setup, o: &PlanOutcome) {
     let p = &o.plan;
     let sv = &p.solver;
     println!(
-        "lt plan: {} ({:.2}B params, {} layers) on {} — batch {} x seq {}",
+        "lt plan: {} ({:.2}B params, {} layers) on {} — batch {} x seq {}{}",
         s.model_name,
         s.model.total_params() as f64 / 1e9,
         s.model.num_layers(),
         s.hw.name,
         p.batch_size,
-        p.seq_len
+        p.seq_len,
+        if s.batch_chosen {
+            " (no --batch-size: the largest batch that fits in one micro-batch, predicted)"
+        } else {
+            ""
+        }
     );
     println!(
         "solver: {:?}{}, {} step shapes evaluated, {:.3} s",
@@ -394,6 +413,7 @@ fn summary_json(
         "model": s.model_name,
         "hardware": s.hw.name,
         "batch_size": p.batch_size,
+        "batch_size_chosen": s.batch_chosen,
         "seq_len": p.seq_len,
         "solve_seconds": p.solver.solve_seconds,
         "total_seconds": total_seconds,
@@ -500,6 +520,34 @@ mod tests {
         // `--hardware` parses into a `HardwareSpec` at the flag: the error comes from clap.
         let e = parsed.err().map(|e| e.to_string()).unwrap_or_default();
         assert!(e.contains("h800, rtx3090, h200, cpu"), "{e}");
+    }
+
+    /// Without `--batch-size` the plan is for the largest batch that fits in one micro-batch, which is
+    /// `max_batch`'s answer for the same request; a sequence too long for the device is a one-line error.
+    #[test]
+    fn no_batch_size_plans_the_largest_that_fits() {
+        let parse = |extra: &[&str]| {
+            let mut a = vec!["lt", "--model-config"];
+            let cfg = config_path("qwen2.5-7b.json");
+            a.push(&cfg);
+            a.extend(["--hardware", "rtx3090"]);
+            a.extend(extra);
+            Cli::try_parse_from(a).unwrap().args
+        };
+        let s = setup(&parse(&["--seq-len", "1024"])).unwrap();
+        assert!(s.batch_chosen);
+        let given = setup(&parse(&["--seq-len", "1024", "--batch-size", "1"])).unwrap();
+        assert!(!given.batch_chosen);
+        let largest = planner::max_batch(&given.model, &given.hw, &given.req, Policy::Auto).unwrap().unwrap();
+        assert_eq!(s.req.batch_size, largest);
+        assert!(largest > 1, "a 7B model on a 24 GB card fits more than one sequence of 1024: {largest}");
+        let o = planner::plan(&s.model, &s.hw, &s.req).unwrap();
+        assert_eq!(o.plan.batch_size, largest);
+
+        // The seq-len default is lt train's.
+        assert_eq!(parse(&[]).seq_len, 1024);
+        let e = setup(&parse(&["--seq-len", "4000000"])).err().map(|e| format!("{e:#}")).unwrap_or_default();
+        assert!(e.contains("not even one sequence of 4000000 tokens") && !e.contains('\n'), "{e}");
     }
 
     #[test]
