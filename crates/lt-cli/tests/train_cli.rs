@@ -150,3 +150,38 @@ fn plan_file_round_trip_runs_the_planned_step() {
     assert!(err.contains("p.json") && err.contains("seq_len") && err.contains("--seq-len is 16"), "{err}");
     assert_eq!(err.trim_end().lines().count(), 1, "{err}");
 }
+
+/// A model folder whose tokenizer has more tokens than config.json's `vocab_size` (here the real Qwen3
+/// tokenizer next to a 96-token fixture) is refused before any work, by `lt train` and `lt eval`
+/// alike, in one line naming the tokenizer file and both sizes; nothing is written.
+#[test]
+fn a_tokenizer_larger_than_the_vocabulary_is_refused_up_front() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = fixtures();
+    let model = dir.path().join("model");
+    std::fs::create_dir(&model).unwrap();
+    for (from, name) in [
+        (f.join("models/qwen3-tied-mqa/config.json"), "config.json"),
+        (f.join("models/qwen3-tied-mqa/model.safetensors"), "model.safetensors"),
+        (f.join("tokenizer/tokenizer.json"), "tokenizer.json"),
+        (f.join("tokenizer/tokenizer_config.json"), "tokenizer_config.json"),
+    ] {
+        std::fs::copy(from, model.join(name)).unwrap();
+    }
+    let data = dir.path().join("data.json");
+    std::fs::write(&data, r#"[{"query": "What is 1 + 1?", "response": "The answer is: 2"}]"#).unwrap();
+    let out = dir.path().join("run");
+    for cmd in ["train", "eval"] {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_lt"));
+        c.args([cmd, "--model"]).arg(&model).arg("--data").arg(&data);
+        if cmd == "train" {
+            c.args(["--steps", "1", "--out"]).arg(&out);
+        }
+        let st = c.output().unwrap();
+        let err = String::from_utf8_lossy(&st.stderr);
+        assert!(!st.status.success(), "{cmd}: {err}");
+        assert!(err.contains("tokenizer.json") && err.contains("vocab_size is 96"), "{cmd}: {err}");
+        assert_eq!(err.trim_end().lines().count(), 1, "{cmd}: {err}");
+    }
+    assert!(!out.join("checkpoints").exists(), "nothing trained");
+}

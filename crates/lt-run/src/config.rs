@@ -431,12 +431,15 @@ impl RunSettings {
             LrSchedule::Constant => "constant",
             LrSchedule::Cosine => "cosine decay",
         };
+        let warmup = match self.warmup_steps {
+            0 => "no warmup".to_string(),
+            n => format!("{n} warmup steps"),
+        };
         format!(
-            "optimizer {} ({}): lr {:.2e}, {schedule} after {} warmup steps, weight decay {}, {}",
+            "optimizer {} ({}): lr {:.2e}, {schedule}, {warmup}, weight decay {}, {}",
             self.optimizer.name(),
             self.optimizer.what(),
             a.lr,
-            self.warmup_steps,
             a.weight_decay,
             a.max_grad_norm.map_or("no clipping".to_string(), |n| format!("clipped to global norm {n}"))
         )

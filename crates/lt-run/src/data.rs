@@ -50,7 +50,7 @@ pub(crate) fn load(s: &RunSettings) -> Result<Inputs> {
     let (host, encoder, source_dir, config_json) = match (&s.model, &demo_tokenizer) {
         (Some(dir), _) => {
             let host = HostModel::load(dir)?;
-            let encoder = match encoder_for(dir) {
+            let encoder = match encoder_for(dir, host.config.vocab_size) {
                 Ok(e) => e,
                 // Pre-tokenized data needs no tokenizer: ids are only range-checked.
                 Err(_) if pretokenized => ChatEncoder::new(

@@ -11,12 +11,21 @@ use lt_model::weights::DeviceModel;
 use serde::Serialize;
 
 /// The tokenizer and chat template of a model folder (`tokenizer.json`, `tokenizer_config.json`).
-pub fn encoder_for(model_dir: &Path) -> Result<ChatEncoder> {
+/// A tokenizer with more tokens than the model's `vocab_size` (`vocab`) is refused here, naming both
+/// files, rather than at the first batch that holds one of the extra ids.
+pub fn encoder_for(model_dir: &Path, vocab: usize) -> Result<ChatEncoder> {
     if !model_dir.join("tokenizer.json").exists() {
         anyhow::bail!("{}: no tokenizer.json: cannot tokenize text for this model", model_dir.display());
     }
     let (tok, template) = lt_data::tokenizer::load(TokenizerKind::Hf, Some(model_dir))
         .with_context(|| format!("{}: loading the tokenizer", model_dir.display()))?;
+    if tok.vocab_size() > vocab {
+        anyhow::bail!(
+            "{}: the tokenizer has {} tokens, but config.json's vocab_size is {vocab}: this tokenizer is not the model's",
+            model_dir.join("tokenizer.json").display(),
+            tok.vocab_size()
+        );
+    }
     Ok(ChatEncoder::new(tok, template))
 }
 

@@ -78,7 +78,7 @@ fn generate_on<B: Backend>(
 /// Run the command.
 pub fn run(args: &EvalArgs) -> Result<()> {
     let host = HostModel::load(&args.model)?;
-    let encoder = encoder_for(&args.model)?;
+    let encoder = encoder_for(&args.model, host.config.vocab_size)?;
     let file = DatasetFile::open(&args.data, args.format)?;
     // Everything is evaluation data: eval_fraction 1 would hold out every group.
     let opts = PrepareOptions {
