@@ -33,7 +33,7 @@ fn demo_writes_its_outputs_and_its_exported_model_reproduces_the_score() {
 
     // Score again from disk only: the exported weights and tokenizer, the written question set.
     let host = HostModel::load(&report.model_dir).unwrap();
-    let encoder = encoder_for(&report.model_dir).unwrap();
+    let encoder = encoder_for(&report.model_dir, host.config.vocab_size).unwrap();
     let file = DatasetFile::open(&out.join("eval.json"), DatasetFormat::Auto).unwrap();
     let opts = PrepareOptions { seq_len: 256, eval_fraction: 1.0, ..Default::default() };
     let examples = prepare(&file, &encoder, &opts).unwrap().eval_examples;
