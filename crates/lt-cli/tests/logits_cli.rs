@@ -148,6 +148,11 @@ fn bad_tokens_json_and_fields_are_located() {
     expect_one_line_error(m.path(), &t, &["tokens.jsonl:1", "input_ids[1]"]);
     let t = tokens_file(m.path(), "{\"input_ids\": [1, 2]}\n{\"input_ids\": [1]}\n");
     expect_one_line_error(m.path(), &t, &["tokens.jsonl", "equal lengths"]);
+    // Labels are optional, but when present they are checked too (the fixtures' files have them).
+    let t = tokens_file(m.path(), "{\"input_ids\": [1, 2], \"labels\": [-100, \"x\"]}\n");
+    expect_one_line_error(m.path(), &t, &["tokens.jsonl:1", "labels[1]", "not an integer"]);
+    let t = tokens_file(m.path(), "\n{\"input_ids\": [1, 2], \"labels\": 5}\n");
+    expect_one_line_error(m.path(), &t, &["tokens.jsonl:2", "`labels` is not an array"]);
 }
 
 #[test]

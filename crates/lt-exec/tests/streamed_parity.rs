@@ -22,14 +22,7 @@ fn fixture(name: &str) -> PathBuf {
 }
 
 fn batch(dir: &Path) -> Batch {
-    let text = std::fs::read_to_string(dir.join("tokens.jsonl")).unwrap();
-    let (mut ids, mut labels) = (Vec::new(), Vec::new());
-    for line in text.lines() {
-        let v: serde_json::Value = serde_json::from_str(line).unwrap();
-        ids.push(v["input_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect());
-        labels.push(v["labels"].as_array().unwrap().iter().map(|x| x.as_i64().unwrap()).collect());
-    }
-    Batch::new(ids, labels)
+    Batch::read_jsonl(&dir.join("tokens.jsonl")).unwrap()
 }
 
 fn rel_to_max(got: &[f32], want: &[f32]) -> f32 {

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use lt_model::CpuBackend;
 use lt_model::host::HostModel;
-use lt_model::model::{forward_logits, to_vec};
+use lt_model::model::{Batch, forward_logits, to_vec};
 use lt_model::weights::DeviceModel;
 use lt_storage::safetensors_io::SafetensorsModel;
 
@@ -17,12 +17,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dir = std::env::args().nth(1).map_or(fixture, PathBuf::from);
     let host = HostModel::load(&dir)?;
     // The fixture's token rows (one JSON object with "input_ids" per line).
-    let mut ids: Vec<Vec<u32>> = Vec::new();
-    for line in std::fs::read_to_string(dir.join("tokens.jsonl"))?.lines() {
-        let row: serde_json::Value = serde_json::from_str(line)?;
-        let row = row["input_ids"].as_array().ok_or("tokens.jsonl: a line without input_ids")?;
-        ids.push(row.iter().filter_map(serde_json::Value::as_u64).map(|x| x as u32).collect());
-    }
+    let ids = Batch::read_jsonl(&dir.join("tokens.jsonl"))?.input_ids;
     let model = DeviceModel::<CpuBackend>::from_host(&host, &Default::default());
     let logits = forward_logits(&model, &ids);
     let [b, t, v] = logits.dims();

@@ -35,6 +35,57 @@ pub struct PackInfo {
 }
 
 impl Batch {
+    /// Reads a token file: one JSON object per line with `input_ids` (non-negative 32-bit integers)
+    /// and optionally `labels` (integers; the ids themselves when absent), blank lines skipped. The
+    /// fixtures' `tokens.jsonl`, `lt logits --tokens` and `lt selftest` read this format. Errors name
+    /// the file and line, and the field (`input_ids[3]`); shapes are checked by [`Self::validate`].
+    pub fn read_jsonl(path: &std::path::Path) -> Result<Batch, ModelError> {
+        let at = |n: Option<usize>, reason: String| ModelError::BadBatch {
+            source_name: match n {
+                Some(n) => format!("{}:{n}", path.display()),
+                None => path.display().to_string(),
+            },
+            reason,
+        };
+        let text = std::fs::read_to_string(path).map_err(|e| at(None, format!("cannot open: {e}")))?;
+        let (mut ids, mut labels) = (Vec::new(), Vec::new());
+        for (i, line) in text.lines().enumerate() {
+            let n = Some(i + 1);
+            if line.trim().is_empty() {
+                continue;
+            }
+            let v: serde_json::Value = serde_json::from_str(line).map_err(|e| at(n, format!("invalid JSON: {e}")))?;
+            let field = |name: &str| match v.get(name) {
+                None => Ok(None),
+                Some(x) => x.as_array().map(Some).ok_or_else(|| at(n, format!("`{name}` is not an array"))),
+            };
+            let row: Vec<u32> = field("input_ids")?
+                .ok_or_else(|| at(n, "missing array field `input_ids`".into()))?
+                .iter()
+                .enumerate()
+                .map(|(j, x)| {
+                    x.as_u64()
+                        .and_then(|u| u32::try_from(u).ok())
+                        .ok_or_else(|| at(n, format!("`input_ids[{j}]` = {x} is not a non-negative 32-bit integer")))
+                })
+                .collect::<Result<_, _>>()?;
+            let lab: Vec<i64> = match field("labels")? {
+                Some(l) => l
+                    .iter()
+                    .enumerate()
+                    .map(|(j, x)| x.as_i64().ok_or_else(|| at(n, format!("`labels[{j}]` = {x} is not an integer"))))
+                    .collect::<Result<_, _>>()?,
+                None => row.iter().map(|&x| i64::from(x)).collect(),
+            };
+            ids.push(row);
+            labels.push(lab);
+        }
+        if ids.is_empty() {
+            return Err(at(None, "no sequences".into()));
+        }
+        Ok(Batch::new(ids, labels))
+    }
+
     /// Check shape and vocabulary range; `source_name` names the origin in errors.
     pub fn validate(&self, vocab: usize, source_name: &str) -> Result<(usize, usize), ModelError> {
         let bad = |reason: String| ModelError::BadBatch { source_name: source_name.to_string(), reason };

@@ -1,9 +1,8 @@
 //! `lt logits`: whole-model logits for token sequences, the black-box parity entry point.
 
-use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use lt_model::host::HostModel;
 use lt_model::model::{Batch, forward_logits, to_vec};
 use lt_model::weights::DeviceModel;
@@ -35,36 +34,6 @@ pub struct LogitsArgs {
     pub device: DeviceChoice,
 }
 
-/// Read `{"input_ids": [...]}` lines; errors name the file, the line and the field.
-pub fn read_token_lines(path: &Path) -> Result<Vec<Vec<u32>>> {
-    let file = std::fs::File::open(path).with_context(|| format!("{}: cannot open", path.display()))?;
-    let mut rows = Vec::new();
-    for (i, line) in BufReader::new(file).lines().enumerate() {
-        let n = i + 1;
-        let line = line.with_context(|| format!("{}:{n}: cannot read", path.display()))?;
-        if line.trim().is_empty() {
-            continue;
-        }
-        let v: serde_json::Value =
-            serde_json::from_str(&line).with_context(|| format!("{}:{n}: invalid JSON", path.display()))?;
-        let Some(arr) = v.get("input_ids").and_then(|x| x.as_array()) else {
-            bail!("{}:{n}: missing array field `input_ids`", path.display());
-        };
-        let mut ids = Vec::with_capacity(arr.len());
-        for (j, x) in arr.iter().enumerate() {
-            match x.as_u64().and_then(|u| u32::try_from(u).ok()) {
-                Some(id) => ids.push(id),
-                None => bail!("{}:{n}: `input_ids[{j}]` = {x} is not a non-negative 32-bit integer", path.display()),
-            }
-        }
-        rows.push(ids);
-    }
-    if rows.is_empty() {
-        bail!("{}: no sequences", path.display());
-    }
-    Ok(rows)
-}
-
 /// Logits of every row of `batch`, `per_pass` rows per forward, as f32 in row-major order.
 fn logits_on<B: burn::tensor::backend::Backend>(
     host: &HostModel,
@@ -85,8 +54,7 @@ fn logits_on<B: burn::tensor::backend::Backend>(
 /// Run the command.
 pub fn run(args: &LogitsArgs) -> Result<()> {
     let host = HostModel::load(&args.model)?;
-    let rows = read_token_lines(&args.tokens)?;
-    let batch = Batch::from_ids(rows);
+    let batch = Batch::read_jsonl(&args.tokens)?;
     let (b, t) = batch.validate(host.config.vocab_size, &args.tokens.display().to_string())?;
     let vocab = host.config.vocab_size;
     let pb = crate::progress::bar(b as u64, "logits");

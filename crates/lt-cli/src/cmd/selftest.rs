@@ -159,38 +159,6 @@ fn rel(got: f64, want: f64) -> f64 {
     (got - want).abs() / want.abs().max(1e-12)
 }
 
-fn read_batch(path: &Path) -> Result<Batch> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("{}: cannot read", path.display()))?;
-    let (mut ids, mut labels) = (Vec::new(), Vec::new());
-    for (n, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
-        let bad =
-            |field: &str| anyhow::anyhow!("{}: line {}: field `{field}` missing or malformed", path.display(), n + 1);
-        let v: serde_json::Value =
-            serde_json::from_str(line).with_context(|| format!("{}: line {}: not JSON", path.display(), n + 1))?;
-        let row: Vec<u32> = v["input_ids"]
-            .as_array()
-            .ok_or_else(|| bad("input_ids"))?
-            .iter()
-            .map(|x| x.as_u64().and_then(|x| u32::try_from(x).ok()).ok_or_else(|| bad("input_ids")))
-            .collect::<Result<_>>()?;
-        let lab: Vec<i64> = match v.get("labels") {
-            Some(l) => l
-                .as_array()
-                .ok_or_else(|| bad("labels"))?
-                .iter()
-                .map(|x| x.as_i64().ok_or_else(|| bad("labels")))
-                .collect::<Result<_>>()?,
-            None => row.iter().map(|&x| i64::from(x)).collect(),
-        };
-        ids.push(row);
-        labels.push(lab);
-    }
-    if ids.is_empty() {
-        bail!("{}: no sequences", path.display());
-    }
-    Ok(Batch::new(ids, labels))
-}
-
 /// CPU reference of one fixture: logits, loss, named gradients.
 struct Reference {
     logits: Vec<f32>,
@@ -500,7 +468,7 @@ impl FixtureRun<'_> {
 fn fixture_checks(ctx: &FixtureRun<'_>, name: &str, dir: &Path, checks: &mut Vec<Check>) {
     let loaded = HostModel::load(dir)
         .map_err(anyhow::Error::from)
-        .and_then(|h| read_batch(&dir.join("tokens.jsonl")).map(|b| (h, b)));
+        .and_then(|h| Batch::read_jsonl(&dir.join("tokens.jsonl")).map_err(anyhow::Error::from).map(|b| (h, b)));
     let (host, batch) = match loaded {
         Ok(x) => x,
         Err(e) => {
@@ -531,7 +499,7 @@ fn fixture_checks(ctx: &FixtureRun<'_>, name: &str, dir: &Path, checks: &mut Vec
 /// the CPU keep-all losses) to `checks`.
 fn train_checks(ctx: &FixtureRun<'_>, name: &str, host: &HostModel, train_file: &Path, checks: &mut Vec<Check>) {
     let (args, spill_dir) = (ctx.args, ctx.spill_dir);
-    let tb = match read_batch(train_file) {
+    let tb = match Batch::read_jsonl(train_file) {
         Ok(tb) => tb,
         Err(e) => {
             checks.push(Check::failed(format!("{name}/train data"), "cpu", format!("{e:#}")));
