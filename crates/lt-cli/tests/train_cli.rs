@@ -185,3 +185,47 @@ fn a_tokenizer_larger_than_the_vocabulary_is_refused_up_front() {
     }
     assert!(!out.join("checkpoints").exists(), "nothing trained");
 }
+
+/// With a device budget, a step smaller than what the budget fits says so (and by how much), once,
+/// in the plan line; without one on the CPU (the host's memory is the "device") it stays quiet.
+#[test]
+fn a_step_that_leaves_device_memory_unused_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = fixtures();
+    let run = |extra: &[&str]| {
+        let st = Command::new(env!("CARGO_BIN_EXE_lt"))
+            .args(["train", "--model"])
+            .arg(f.join("models/qwen3-tied-mqa"))
+            .arg("--data")
+            .arg(f.join("train/qwen3-tied-mqa/train.jsonl"))
+            .args(["--steps", "1", "--batch-size", "2", "--seq-len", "12", "--out"])
+            .arg(dir.path().join(format!("run{}", extra.join(""))))
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(st.status.success(), "{}", String::from_utf8_lossy(&st.stderr));
+        String::from_utf8_lossy(&st.stderr).into_owned()
+    };
+    let err = run(&["--gpu-memory", "16MiB"]);
+    let plan = err.lines().find(|l| l.starts_with("plan (auto")).unwrap_or_default();
+    let fits: usize = plan
+        .split("fits up to ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no room figure in {plan:?}"));
+    assert!(fits > 2 && plan.contains("this step has 2"), "{plan}");
+    // The figure is the planner's largest micro-batch for that budget, the batch `lt plan` plans when
+    // it is given none.
+    let more = Command::new(env!("CARGO_BIN_EXE_lt"))
+        .args(["plan", "--model-config"])
+        .arg(f.join("models/qwen3-tied-mqa"))
+        .args(["--seq-len", "12", "--gpu-memory", "16MiB", "--json"])
+        .output()
+        .unwrap();
+    let last = String::from_utf8_lossy(&more.stdout).lines().last().unwrap_or_default().to_string();
+    let v: serde_json::Value = serde_json::from_str(&last).unwrap();
+    assert_eq!(v["batch_size"].as_u64(), Some(fits as u64), "lt plan without --batch-size agrees: {last}");
+    assert_eq!(v["batch_size_chosen"], serde_json::json!(true), "{last}");
+    assert!(!run(&[]).contains("fits up to"), "no budget on the CPU: no hint");
+}

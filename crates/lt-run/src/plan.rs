@@ -108,13 +108,23 @@ fn choose(s: &RunSettings, cfg: &ModelConfig) -> Result<ChosenPlan> {
             let out = lt_sched::planner::plan(cfg, &hw, &req)?;
             let p = &out.plan;
             let plan = p.step.clone();
+            // Say when the device could hold more per micro-batch than this step asks for: on a
+            // device, or on the CPU under an explicit --gpu-memory budget (the CPU profile's own is
+            // the host's memory; nor for the demo, whose tiny model would fit thousands).
+            let device_budget = s.device != crate::DeviceChoice::Cpu || s.hw.gpu_memory.is_some();
+            let room = match s.model {
+                Some(_) if device_budget => {
+                    lt_sched::planner::max_batch(cfg, &hw, &req, Policy::Auto)?.filter(|m| *m > s.batch_size)
+                }
+                _ => None,
+            };
             ChosenPlan {
                 hardware: hw.clone(),
                 predicted_step_seconds: Some(p.predicted.step_seconds),
                 predicted_trace: Some(out.sim.trace.clone()),
                 summary: format!(
                     "plan (auto, {} profile, solved in {:.0} ms): boundaries [{}] (G gpu, H host, N nvme, . recompute), \
-micro-batch {} x {} accumulation, loss chunk {} tokens; predicted step {:.3} s, predicted peak device {}",
+micro-batch {} x {} accumulation, loss chunk {} tokens; predicted step {:.3} s, predicted peak device {}{}",
                     hw.name,
                     p.solver.solve_seconds * 1e3,
                     plan.tiers(),
@@ -122,7 +132,12 @@ micro-batch {} x {} accumulation, loss chunk {} tokens; predicted step {:.3} s, 
                     p.step.shape.grad_accum_steps,
                     p.step.shape.loss_chunk_tokens,
                     p.predicted.step_seconds,
-                    ByteSize(p.predicted.peak_gpu_bytes)
+                    ByteSize(p.predicted.peak_gpu_bytes),
+                    room.map_or(String::new(), |m| format!(
+                        "; the device budget fits up to {m} sequences in one micro-batch (predicted), this step has {}: \
+a larger --batch-size would use more of it",
+                        s.batch_size
+                    ))
                 ),
                 plan_json: serde_json::to_value(p)?,
                 plan,
