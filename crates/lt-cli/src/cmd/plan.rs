@@ -127,14 +127,12 @@ fn setup(args: &PlanArgs) -> Result<Setup> {
     let model_name = model_name(&args.model_config);
     let batch_chosen = args.batch_size.is_none() && args.micro_batch_size.is_none();
     if batch_chosen {
-        // No batch given: the largest that runs as one micro-batch, so that no one has to guess.
-        req.batch_size = planner::max_batch(&model, &hw, &req, Policy::Auto)?.with_context(|| {
-            format!(
-                "not even one sequence of {} tokens fits the {} device memory of the {} profile (predicted); try a \
-shorter --seq-len or more --gpu-memory",
-                args.seq_len, hw.gpu_memory, hw.name
-            )
-        })?;
+        // No batch given: the largest that runs as one micro-batch, so that no one has to guess. When
+        // not even one sequence fits, batch 1 stays and the planner's infeasibility error (with the
+        // smallest memory that would work, and its JSON line) says so.
+        if let Some(b) = planner::max_batch(&model, &hw, &req, Policy::Auto)? {
+            req.batch_size = b;
+        }
     }
     Ok(Setup { model, model_name, hw, req, batch_chosen })
 }
@@ -523,7 +521,7 @@ mod tests {
     }
 
     /// Without `--batch-size` the plan is for the largest batch that fits in one micro-batch, which is
-    /// `max_batch`'s answer for the same request; a sequence too long for the device is a one-line error.
+    /// `max_batch`'s answer for the same request; when no sequence fits, the planner's error says so.
     #[test]
     fn no_batch_size_plans_the_largest_that_fits() {
         let parse = |extra: &[&str]| {
@@ -546,8 +544,11 @@ mod tests {
 
         // The seq-len default is lt train's.
         assert_eq!(parse(&[]).seq_len, 1024);
-        let e = setup(&parse(&["--seq-len", "4000000"])).err().map(|e| format!("{e:#}")).unwrap_or_default();
-        assert!(e.contains("not even one sequence of 4000000 tokens") && !e.contains('\n'), "{e}");
+        // Not even one sequence fits: the planner's own error, with the memory that would work.
+        let s = setup(&parse(&["--seq-len", "65536"])).unwrap();
+        assert_eq!(s.req.batch_size, 1);
+        let e = planner::plan(&s.model, &s.hw, &s.req).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("batch 1 x seq 65536") && e.contains("smallest GPU memory"), "{e}");
     }
 
     #[test]
