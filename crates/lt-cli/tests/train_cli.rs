@@ -35,6 +35,21 @@ fn base_args(out: &Path, steps: u32) -> Vec<String> {
     .collect()
 }
 
+/// `lt train` on the qwen3-tied-mqa fixture and its training file, writing to `out`, with `args`.
+fn train_tied(out: &Path, args: &[&str]) -> std::process::Output {
+    let f = fixtures();
+    Command::new(env!("CARGO_BIN_EXE_lt"))
+        .args(["train", "--model"])
+        .arg(f.join("models/qwen3-tied-mqa"))
+        .arg("--data")
+        .arg(f.join("train/qwen3-tied-mqa/train.jsonl"))
+        .arg("--out")
+        .arg(out)
+        .args(args)
+        .output()
+        .unwrap()
+}
+
 fn losses(metrics: &Path) -> Vec<(u64, f64)> {
     std::fs::read_to_string(metrics)
         .unwrap()
@@ -105,19 +120,10 @@ fn plan_file_round_trip_runs_the_planned_step() {
     let p: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&plan).unwrap()).unwrap();
     let predicted = p["predicted"]["step_seconds"].as_f64().unwrap();
 
+    let plan_arg = plan.to_str().unwrap();
     let train = |extra: &[&str]| {
-        Command::new(env!("CARGO_BIN_EXE_lt"))
-            .args(["train", "--model"])
-            .arg(f.join("models/qwen3-tied-mqa"))
-            .arg("--data")
-            .arg(f.join("train/qwen3-tied-mqa/train.jsonl"))
-            .args(["--steps", "2", "--plan"])
-            .arg(&plan)
-            .arg("--out")
-            .arg(dir.path().join(format!("run{}", extra.join(""))))
-            .args(extra)
-            .output()
-            .unwrap()
+        let args = [&["--steps", "2", "--plan", plan_arg][..], extra].concat();
+        train_tied(&dir.path().join(format!("run{}", extra.join(""))), &args)
     };
     let st = train(&[]);
     let (out, err) = (String::from_utf8_lossy(&st.stdout), String::from_utf8_lossy(&st.stderr));
@@ -193,16 +199,8 @@ fn a_step_that_leaves_device_memory_unused_says_so() {
     let dir = tempfile::tempdir().unwrap();
     let f = fixtures();
     let run = |extra: &[&str]| {
-        let st = Command::new(env!("CARGO_BIN_EXE_lt"))
-            .args(["train", "--model"])
-            .arg(f.join("models/qwen3-tied-mqa"))
-            .arg("--data")
-            .arg(f.join("train/qwen3-tied-mqa/train.jsonl"))
-            .args(["--steps", "1", "--batch-size", "2", "--seq-len", "12", "--out"])
-            .arg(dir.path().join(format!("run{}", extra.join(""))))
-            .args(extra)
-            .output()
-            .unwrap();
+        let args = [&["--steps", "1", "--batch-size", "2", "--seq-len", "12"][..], extra].concat();
+        let st = train_tied(&dir.path().join(format!("run{}", extra.join(""))), &args);
         assert!(st.status.success(), "{}", String::from_utf8_lossy(&st.stderr));
         String::from_utf8_lossy(&st.stderr).into_owned()
     };
