@@ -27,7 +27,7 @@ pub struct PlanArgs {
     /// or --micro-batch-size when that is given].
     #[arg(long)]
     pub batch_size: Option<usize>,
-    /// Tokens per sequence [default: 1024, as `lt train`].
+    /// Tokens per sequence (the default is `lt train`'s).
     #[arg(long, default_value_t = 1024)]
     pub seq_len: usize,
     /// Also report the largest batch that fits in one micro-batch, for the plan and for MegaTrain
