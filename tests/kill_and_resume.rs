@@ -28,6 +28,17 @@ fn run(out: &Path, resume: bool) {
         .unwrap();
 }
 
+/// The step of the newest committed checkpoint in `root` (`step-N` folders; 0 when there is none).
+fn newest_checkpoint(root: &Path) -> u64 {
+    std::fs::read_dir(root)
+        .map(|d| {
+            d.filter_map(|e| e.ok()?.file_name().to_str()?.strip_prefix("step-")?.parse::<u64>().ok())
+                .max()
+                .unwrap_or(0)
+        })
+        .unwrap_or(0)
+}
+
 fn main() {
     if let Some(out) = std::env::var_os(CHILD) {
         run(Path::new(&out), true);
@@ -56,6 +67,13 @@ fn main() {
         child.kill().unwrap(); // SIGKILL, as `kill -9` sends
         child.wait().unwrap();
         let killed_at = common::losses(&metrics).len();
+        // Every step is saved: the newest checkpoint is the last step reported or the one before it
+        // (the kill landed in that step's save).
+        let saved = newest_checkpoint(&out.join("checkpoints"));
+        assert!(
+            saved + 1 >= killed_at as u64,
+            "attempt {attempt}: {killed_at} steps reported, newest checkpoint step {saved}: more than one step lost"
+        );
 
         run(&out, true);
         let got = common::losses(&metrics);

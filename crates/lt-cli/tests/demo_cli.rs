@@ -33,6 +33,14 @@ fn demo_writes_its_outputs_and_lt_eval_reproduces_its_score() {
         lines.iter().filter_map(|v| Some((v["step"].as_u64()?, v.get("eval_loss")?.as_f64()?))).collect();
     assert_eq!(eval_losses.iter().map(|e| e.0).collect::<Vec<_>>(), [2, 4]);
     assert!(eval_losses.iter().all(|e| e.1.is_finite() && e.1 > 0.0), "{eval_losses:?}");
+    // `--save-every auto` (the default) saves after the first step, to time a save, and at the end.
+    let saved: Vec<u64> =
+        lines.iter().filter(|v| v.get("checkpoint_seconds").is_some()).filter_map(|v| v["step"].as_u64()).collect();
+    assert_eq!(saved.first(), Some(&1), "{saved:?}");
+    assert_eq!(saved.last(), Some(&4), "{saved:?}");
+    assert!(lines.iter().filter_map(|v| v.get("checkpoint_bytes")?.as_u64()).all(|b| b > 0));
+    let stderr = String::from_utf8_lossy(&train.stderr);
+    assert!(stderr.contains("checkpoints (--save-every auto): a save takes"), "{stderr}");
     let last = lines.iter().rev().find(|v| v.get("final").is_some()).unwrap();
     let (correct, total) = (last["eval"]["overall"]["correct"].as_u64(), last["eval"]["overall"]["total"].as_u64());
     assert_eq!(total, Some(6));

@@ -78,6 +78,72 @@ impl OptimizerChoice {
     }
 }
 
+/// When a run saves checkpoints before its last step (the last step is always saved).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "SaveEveryRepr", into = "SaveEveryRepr")]
+pub enum SaveEvery {
+    /// Every step while a save costs at most [`crate::checkpointing::AUTO_SAVE_BUDGET`] of the
+    /// training time, else every N steps with N as small as that budget allows, from measured
+    /// save and step times.
+    Auto,
+    /// Every N steps (at multiples of N); 0: only at the end.
+    Steps(u64),
+}
+
+impl From<u64> for SaveEvery {
+    fn from(n: u64) -> Self {
+        SaveEvery::Steps(n)
+    }
+}
+
+impl std::str::FromStr for SaveEvery {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.trim() {
+            "auto" => Ok(SaveEvery::Auto),
+            t => t.parse().map(SaveEvery::Steps).map_err(|_| format!("`{s}`: expected a number of steps or `auto`")),
+        }
+    }
+}
+
+impl std::fmt::Display for SaveEvery {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SaveEvery::Auto => f.write_str("auto"),
+            SaveEvery::Steps(n) => write!(f, "{n}"),
+        }
+    }
+}
+
+/// The run file's spelling of [`SaveEvery`]: a number or `"auto"`.
+#[derive(Serialize, Deserialize)]
+#[serde(untagged)]
+enum SaveEveryRepr {
+    Steps(u64),
+    Text(String),
+}
+
+impl TryFrom<SaveEveryRepr> for SaveEvery {
+    type Error = String;
+
+    fn try_from(r: SaveEveryRepr) -> std::result::Result<Self, String> {
+        match r {
+            SaveEveryRepr::Steps(n) => Ok(SaveEvery::Steps(n)),
+            SaveEveryRepr::Text(t) => t.parse(),
+        }
+    }
+}
+
+impl From<SaveEvery> for SaveEveryRepr {
+    fn from(s: SaveEvery) -> Self {
+        match s {
+            SaveEvery::Auto => SaveEveryRepr::Text("auto".into()),
+            SaveEvery::Steps(n) => SaveEveryRepr::Steps(n),
+        }
+    }
+}
+
 /// Everything a run can be configured with; the TOML run file has the same keys.
 // `deny_unknown_fields` does not work with `#[serde(flatten)]`: [`RunConfig::from_toml_file`]
 // checks the keys itself.
@@ -145,9 +211,11 @@ pub struct RunConfig {
     /// Output folder: checkpoints, metrics, trace and the exported model [default: ./lt-runs/<timestamp>].
     #[arg(long, value_name = "DIR")]
     pub out: Option<PathBuf>,
-    /// Save a checkpoint every N steps (0: only at the end) [default: 0].
-    #[arg(long)]
-    pub save_every: Option<u64>,
+    /// Checkpoints during training: every N steps, 0 for only at the end, or `auto`: every step
+    /// while a save costs at most 5% of the training time, else as often as that allows (announced
+    /// after the first save, with what a kill -9 would lose) [default: auto].
+    #[arg(long, value_name = "N|auto")]
+    pub save_every: Option<SaveEvery>,
     /// Checkpoints to keep [default: 2].
     #[arg(long)]
     pub keep_checkpoints: Option<usize>,
@@ -339,10 +407,11 @@ macro_rules! keys {
 
 keys! {
     nested: [hw],
-    into: [model: PathBuf, data: PathBuf, plan: PathBuf, metrics: PathBuf, out: PathBuf, spill_dir: PathBuf],
+    into: [model: PathBuf, data: PathBuf, plan: PathBuf, metrics: PathBuf, out: PathBuf, spill_dir: PathBuf,
+        save_every: SaveEvery],
     plain: [steps: u64, batch_size: usize, micro_batch_size: usize, seq_len: usize, lr: f64, weight_decay: f64,
         max_grad_norm: f64, warmup_steps: u64, optimizer: OptimizerChoice, seed: u64, policy: Policy,
-        save_every: u64, keep_checkpoints: usize,
+        keep_checkpoints: usize,
         device: DeviceChoice, eval_every: u64, eval_loss_every: u64, eval_fraction: f64, eval_limit: usize,
         max_new_tokens: usize, threads: usize, format: lt_data::DatasetFormat],
     switches: [cosine, no_shuffle, resume, no_packing, train_on_prompt, skip_bad_records, serial_optimizer],
@@ -389,8 +458,8 @@ pub struct RunSettings {
     pub out: PathBuf,
     /// Metrics file.
     pub metrics: PathBuf,
-    /// Checkpoint interval.
-    pub save_every: u64,
+    /// When to save checkpoints during training.
+    pub save_every: SaveEvery,
     /// Checkpoints kept.
     pub keep_checkpoints: usize,
     /// Resume.
@@ -525,7 +594,7 @@ impl RunSettings {
             hw: HardwareArgs { hardware: Some(o.hw.spec(BuiltinProfile::Cpu)), ..o.hw.clone() },
             metrics: o.metrics.clone().unwrap_or_else(|| out.join("metrics.jsonl")),
             out: out.clone(),
-            save_every: o.save_every.unwrap_or(0),
+            save_every: o.save_every.unwrap_or(SaveEvery::Auto),
             keep_checkpoints: o.keep_checkpoints.unwrap_or(2).max(1),
             resume: o.resume,
             device: o.device.unwrap_or(DeviceChoice::Cpu),
@@ -658,6 +727,16 @@ mod tests {
         std::fs::write(&path, "hardware = \"tpu\"\n").unwrap();
         let e = format!("{:#}", RunConfig::from_toml_file(&path).unwrap_err());
         assert!(e.contains("run.toml") && e.contains("tpu"), "{e}");
+
+        // `save-every`: a number of steps or "auto".
+        for (text, want) in [("save-every = 50\n", SaveEvery::Steps(50)), ("save-every = \"auto\"\n", SaveEvery::Auto)]
+        {
+            std::fs::write(&path, text).unwrap();
+            assert_eq!(RunConfig::from_toml_file(&path).unwrap().save_every, Some(want), "{text}");
+        }
+        std::fs::write(&path, "save-every = \"often\"\n").unwrap();
+        let e = format!("{:#}", RunConfig::from_toml_file(&path).unwrap_err());
+        assert!(e.contains("run.toml") && e.contains("often") && !e.contains('\n'), "{e}");
     }
 
     #[test]
@@ -669,6 +748,7 @@ mod tests {
         let s = RunSettings::resolve(&RunConfig::default()).unwrap();
         assert_eq!((s.steps, s.batch_size, s.seq_len), (200, 12, 256), "the demo's defaults");
         assert_eq!(s.hw.hardware, Some(HardwareSpec::Builtin(BuiltinProfile::Cpu)));
+        assert_eq!(s.save_every, SaveEvery::Auto);
         let e = RunSettings::resolve(&RunConfig::default().batch_size(4).micro_batch_size(3)).unwrap_err();
         assert!(e.to_string().contains("--micro-batch-size"), "{e}");
     }

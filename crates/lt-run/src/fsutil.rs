@@ -26,3 +26,13 @@ pub fn write_atomic(path: &Path, data: &[u8]) -> Result<()> {
     }
     result
 }
+
+/// Bytes of the regular files directly in `dir` (0 where it cannot be read: the figure is a report,
+/// not a check).
+pub fn dir_bytes(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .map(|entries| {
+            entries.filter_map(|e| e.ok()?.metadata().ok()).filter(std::fs::Metadata::is_file).map(|m| m.len()).sum()
+        })
+        .unwrap_or(0)
+}

@@ -34,6 +34,7 @@
 //! Lower layers, for a project that needs only part of this: `lt-exec` (the streamed executor and
 //! trainer), `lt-sched` (the planner), `lt-optim` (the 8-bit AdamW), `lt-model` (Qwen layers).
 
+pub mod checkpointing;
 pub mod config;
 pub mod data;
 pub mod device;
@@ -45,7 +46,7 @@ pub mod plot;
 pub mod run;
 pub mod spill;
 
-pub use config::{OptimizerChoice, Policy, RunConfig, RunSettings};
+pub use config::{OptimizerChoice, Policy, RunConfig, RunSettings, SaveEvery};
 pub use device::DeviceChoice;
 pub use observe::{Event, MetricsFile, Observer, Pictures};
 pub use plan::{BudgetTooSmall, ChosenPlan, choose_plan, executor_for};

@@ -61,6 +61,15 @@ pub enum Event<'a> {
         /// Questions in this batch.
         done: usize,
     },
+    /// A checkpoint of `step` was saved (durably) in `seconds`; its files hold `bytes`.
+    Saved {
+        /// The step.
+        step: u64,
+        /// Wall time of the save, the wait for the overlapped optimizer included.
+        seconds: f64,
+        /// Bytes of the checkpoint's files.
+        bytes: u64,
+    },
     /// The held-out loss after `step`.
     EvalLoss {
         /// The step.
@@ -106,7 +115,8 @@ impl<F: FnMut(&Event<'_>) -> Result<()>> Observer for F {
 }
 
 /// `metrics.jsonl`: one JSON object per step (the step's [`StepMetrics`] plus `exposed_seconds` and
-/// `epoch`), per held-out loss (`eval_loss`) and per exact-match evaluation (`eval_exact_match`).
+/// `epoch`), per held-out loss (`eval_loss`), per exact-match evaluation (`eval_exact_match`) and per
+/// checkpoint saved (`checkpoint_seconds`, `checkpoint_bytes`).
 /// A resumed run first drops the lines of steps after its checkpoint.
 #[derive(Debug)]
 pub struct MetricsFile {
@@ -149,6 +159,9 @@ impl Observer for MetricsFile {
                 self.write(&line)
             }
             Event::EvalLoss { step, loss } => self.write(&serde_json::json!({"step": step, "eval_loss": loss})),
+            Event::Saved { step, seconds, bytes } => {
+                self.write(&serde_json::json!({"step": step, "checkpoint_seconds": seconds, "checkpoint_bytes": bytes}))
+            }
             Event::ExactMatch { step, accuracy, is_final } => {
                 let mut line = serde_json::json!({"step": step, "eval_exact_match": accuracy.rate(), "eval": accuracy});
                 if *is_final && let Some(obj) = line.as_object_mut() {

@@ -18,6 +18,7 @@ use lt_storage::checkpoint::{CheckpointStore, Retention, Verify};
 use lt_storage::export::ExportDtype;
 use serde::Serialize;
 
+use crate::checkpointing::{AutoInterval, SaveSchedule};
 use crate::config::{RunConfig, RunSettings};
 use crate::data::{Inputs, to_micro_batches};
 use crate::device::DeviceChoice;
@@ -165,7 +166,15 @@ impl Run {
         let batcher = batcher(s, &encoder, train, resumed.batcher)?;
         let model = Arc::new(SharedModel::new(resumed.host, resumed.completed));
         let trainer = Trainer::new(model, executor, train_options(s, &chosen), resumed.optim, resumed.completed)?;
-        let mut steps = Steps { s, chosen: &chosen, store: &resumed.store, trainer, batcher, losses: Vec::new() };
+        let mut steps = Steps {
+            s,
+            chosen: &chosen,
+            store: &resumed.store,
+            trainer,
+            batcher,
+            losses: Vec::new(),
+            schedule: SaveSchedule::new(s.save_every),
+        };
         let eval = Evaluator::new(s, &encoder, &eval, &eval_examples);
         let last = steps.train(obs, &eval)?;
         steps.save(obs)?;
@@ -301,6 +310,7 @@ struct Steps<'a, B: AutodiffBackend> {
     trainer: Trainer<B>,
     batcher: Batcher,
     losses: Vec<(u64, f64)>,
+    schedule: SaveSchedule,
 }
 
 impl<B: AutodiffBackend> Steps<'_, B> {
@@ -318,8 +328,11 @@ impl<B: AutodiffBackend> Steps<'_, B> {
             let tokens_per_second = tokens_done as f64 / loop_start.elapsed().as_secs_f64().max(1e-9);
             obs.emit(&Event::Step { metrics: &m, epoch: self.batcher.epoch(), tokens_per_second })?;
             let before_end = m.step < s.steps;
-            if s.save_every > 0 && m.step % s.save_every == 0 && before_end {
-                self.save(obs)?;
+            if self.schedule.step_done(m.step, m.step_seconds) && before_end {
+                let seconds = self.save(obs)?;
+                if let Some(a) = self.schedule.saved(seconds) {
+                    obs.emit(&Event::Note(&auto_save_line(&a)))?;
+                }
             }
             let loss_now = eval.loss_wanted() && m.step % s.eval_loss_every == 0 && before_end;
             let em_now = eval.em_wanted() && s.eval_every > 0 && m.step % s.eval_every == 0 && before_end;
@@ -340,16 +353,40 @@ impl<B: AutodiffBackend> Steps<'_, B> {
     }
 
     /// A checkpoint of the current step: weights, optimizer state, data position, plan and settings.
-    fn save(&mut self, obs: &mut Observers) -> Result<()> {
+    /// Returns the seconds it took, the wait for the overlapped optimizer included.
+    fn save(&mut self, obs: &mut Observers) -> Result<f64> {
+        let started = Instant::now();
         self.trainer.flush()?;
         let snap = self.trainer.model.snapshot();
         let meta =
             serde_json::json!({"batcher": self.batcher.state(), "plan": self.chosen.plan_json, "settings": self.s});
         let c = persist::save_checkpoint(self.store, self.trainer.completed(), &snap, &self.trainer.optimizer(), meta)?;
+        let seconds = started.elapsed().as_secs_f64();
         for e in &c.prune_errors {
             obs.emit(&Event::Warning(&format!("pruning old checkpoints: {e}")))?;
         }
-        Ok(())
+        let bytes = crate::fsutil::dir_bytes(&c.path);
+        obs.emit(&Event::Saved { step: self.trainer.completed(), seconds, bytes })?;
+        Ok(seconds)
+    }
+}
+
+/// The line `--save-every auto` prints when it sets or changes its interval.
+fn auto_save_line(a: &AutoInterval) -> String {
+    let cost = format!(
+        "checkpoints (--save-every auto): a save takes {:.3} s against {:.3} s per step",
+        a.save_seconds, a.step_seconds
+    );
+    match a.every {
+        1 => format!(
+            "{cost}: saving after every step ({:.1}% of the time); a kill -9 loses at most the step in progress",
+            100.0 * a.overhead()
+        ),
+        n => format!(
+            "{cost}: saving every {n} steps ({:.1}% of the time); a kill -9 loses at most {n} steps \
+             (--save-every 1 saves every step)",
+            100.0 * a.overhead()
+        ),
     }
 }
 
