@@ -227,3 +227,26 @@ fn a_step_that_leaves_device_memory_unused_says_so() {
     assert_eq!(v["batch_size_chosen"], serde_json::json!(true), "{last}");
     assert!(!run(&[]).contains("fits up to"), "no budget on the CPU: no hint");
 }
+
+/// A run whose checkpoints cannot fit on the output folder's disk fails before its first step, in
+/// one line that says what it needs, what is free and what to change. (A trillion kept
+/// checkpoints of the tiny fixture exceed any disk.)
+#[test]
+fn a_run_that_cannot_fit_its_checkpoints_fails_before_training() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let st = train_tied(&out, &["--steps", "3", "--keep-checkpoints", "1000000000000"]);
+    let err = String::from_utf8_lossy(&st.stderr);
+    assert!(!st.status.success(), "{err}");
+    let line = err.lines().find(|l| l.starts_with("error:")).unwrap_or_else(|| panic!("{err}"));
+    for want in ["of disk and", "is free", "1000000000000 kept + the one being written", "--keep-checkpoints 1"] {
+        assert!(line.contains(want), "{want:?} in {line}");
+    }
+    assert_eq!(err.lines().filter(|l| l.starts_with("error:")).count(), 1, "{err}");
+    assert!(!out.join("metrics.jsonl").exists() && !out.join("checkpoints").exists(), "nothing trained or saved");
+
+    // Saving only at the end needs one checkpoint and the export: the same run then trains.
+    let st = train_tied(&out, &["--steps", "3", "--keep-checkpoints", "1000000000000", "--save-every", "0"]);
+    assert!(st.status.success(), "{}", String::from_utf8_lossy(&st.stderr));
+    assert_eq!(losses(&out.join("metrics.jsonl")).len(), 3);
+}

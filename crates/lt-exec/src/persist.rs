@@ -42,6 +42,13 @@ fn params_mut(host: &mut HostModel) -> Vec<&mut Vec<f32>> {
     v
 }
 
+/// About how many bytes [`save_checkpoint`] writes for a model trained by `optim`: 4 per master
+/// weight plus the optimizer's state (its per-tensor headers, the manifest and the metadata, a few
+/// KiB, are left out). For the disk-space check before a run.
+pub fn checkpoint_bytes(optim: &AdamW) -> u64 {
+    4 * optim.numel() as u64 + optim.state_bytes() as u64
+}
+
 /// Save `host` and `optim` as checkpoint `step` with `meta` (atomic; see lt-storage).
 pub fn save_checkpoint(
     store: &CheckpointStore,

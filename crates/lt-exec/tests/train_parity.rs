@@ -167,7 +167,15 @@ fn resume_continues(kind: OptimizerKind) {
     }
     first.flush().unwrap();
     let snap = first.model.snapshot();
-    lt_exec::persist::save_checkpoint(&store, 2, &snap, &first.optimizer(), serde_json::json!({})).unwrap();
+    let saved = lt_exec::persist::save_checkpoint(&store, 2, &snap, &first.optimizer(), serde_json::json!({})).unwrap();
+    // The estimate the disk check uses is what the files hold, less a few KiB of headers and manifest.
+    let estimate = lt_exec::persist::checkpoint_bytes(&first.optimizer());
+    let on_disk: u64 = std::fs::read_dir(&saved.path).unwrap().map(|e| e.unwrap().metadata().unwrap().len()).sum();
+    assert!(
+        on_disk >= estimate && on_disk - estimate < 64 << 10,
+        "{}: {on_disk} on disk, {estimate} estimated",
+        kind.name()
+    );
     drop(first);
 
     let ckpt = store.find_latest(Verify::Full).unwrap().checkpoint.unwrap();

@@ -19,7 +19,7 @@ use lt_storage::export::ExportDtype;
 use serde::Serialize;
 
 use crate::checkpointing::{AutoInterval, SaveSchedule};
-use crate::config::{RunConfig, RunSettings};
+use crate::config::{RunConfig, RunSettings, SaveEvery};
 use crate::data::{Inputs, to_micro_batches};
 use crate::device::DeviceChoice;
 use crate::observe::{Event, MetricsFile, Observer, Pictures};
@@ -166,6 +166,7 @@ impl Run {
         let batcher = batcher(s, &encoder, train, resumed.batcher)?;
         let model = Arc::new(SharedModel::new(resumed.host, resumed.completed));
         let trainer = Trainer::new(model, executor, train_options(s, &chosen), resumed.optim, resumed.completed)?;
+        check_disk(s, &resumed.store, &trainer.optimizer(), resumed.completed)?;
         let mut steps = Steps {
             s,
             chosen: &chosen,
@@ -369,6 +370,48 @@ impl<B: AutodiffBackend> Steps<'_, B> {
         obs.emit(&Event::Saved { step: self.trainer.completed(), seconds, bytes })?;
         Ok(seconds)
     }
+}
+
+/// Fail before training when the output folder's file system cannot take what the run will write:
+/// the checkpoints at their peak (`--keep-checkpoints` kept plus the one being written, when the run
+/// saves before its end; only the final one otherwise), less what its existing checkpoints already
+/// hold, plus the fp32 export. A full disk found hours into a run would cost that run.
+/// `LT_DISK_CHECK=off` skips the check (compressing file systems hold more than this counts).
+fn check_disk(s: &RunSettings, store: &CheckpointStore, optim: &lt_optim::AdamW, completed: u64) -> Result<()> {
+    if std::env::var("LT_DISK_CHECK").is_ok_and(|v| v == "off") {
+        return Ok(());
+    }
+    let masters = 4 * optim.numel() as u64;
+    let checkpoint = persist::checkpoint_bytes(optim);
+    let saves_before_end = s.save_every != SaveEvery::Steps(0) && s.steps.saturating_sub(completed) > 1;
+    let copies = if saves_before_end { s.keep_checkpoints as u64 + 1 } else { 1 };
+    let held: u64 = std::fs::read_dir(store.root())
+        .map(|d| {
+            d.filter_map(Result::ok)
+                .filter(|e| e.file_name().to_str().is_some_and(|n| n.starts_with("step-")))
+                .map(|e| crate::fsutil::dir_bytes(&e.path()))
+                .sum()
+        })
+        .unwrap_or(0);
+    let need = copies.saturating_mul(checkpoint).saturating_sub(held).max(checkpoint).saturating_add(masters);
+    let free = lt_storage::disk::available_bytes(store.root())?;
+    if free < need {
+        let gb = |b: u64| lt_core::ByteSize(b).to_string();
+        let kept =
+            if copies > 1 { format!(" ({} kept + the one being written)", s.keep_checkpoints) } else { String::new() };
+        anyhow::bail!(
+            "{}: the run needs up to {} of disk and {} is free: {copies} checkpoint(s) of {}{kept}{} and the exported \
+             model ({}); use --keep-checkpoints 1, --save-every 0 (only the final checkpoint), another --out, or \
+             LT_DISK_CHECK=off to start anyway",
+            s.out.display(),
+            gb(need),
+            gb(free),
+            gb(checkpoint),
+            if held > 0 { format!(", less the {} its checkpoints already hold", gb(held)) } else { String::new() },
+            gb(masters)
+        );
+    }
+    Ok(())
 }
 
 /// The line `--save-every auto` prints when it sets or changes its interval.
