@@ -176,6 +176,15 @@ fn resume_continues(kind: OptimizerKind) {
         "{}: {on_disk} on disk, {estimate} estimated",
         kind.name()
     );
+    // Saved from the shared masters without a snapshot: the same checkpoint, blob for blob.
+    let other_dir = tempfile::tempdir().unwrap();
+    let other = CheckpointStore::new(other_dir.path(), Retention::KeepAll);
+    lt_exec::persist::save_shared_checkpoint(&other, 2, &first.model, &first.optimizer(), serde_json::json!({}))
+        .unwrap();
+    let (a, b) = (store.find_latest(Verify::Full).unwrap(), other.find_latest(Verify::Full).unwrap());
+    let (a, b) = (a.checkpoint.unwrap(), b.checkpoint.unwrap());
+    assert_eq!(a.blobs(), b.blobs(), "{}: blob names, sizes and checksums", kind.name());
+    assert_eq!(a.meta(), b.meta(), "{}: parameter names and shapes", kind.name());
     drop(first);
 
     let ckpt = store.find_latest(Verify::Full).unwrap().checkpoint.unwrap();

@@ -195,7 +195,7 @@ impl HostModel {
 
     /// Checkpoint name of a layer parameter.
     pub fn layer_param_name(&self, layer: usize, rel: &str) -> String {
-        format!("{}layers.{layer}.{rel}", self.prefix)
+        layer_param_name(&self.prefix, layer, rel)
     }
 
     /// Checkpoint name of a model-relative layer parameter name (`layers.3.mlp.up_proj.weight`).
@@ -205,8 +205,19 @@ impl HostModel {
 
     /// Checkpoint name of an outer parameter (`embed_tokens.weight`, `norm.weight`, `lm_head.weight`).
     pub fn outer_param_name(&self, rel: &str) -> String {
-        if rel == "lm_head.weight" { rel.to_string() } else { format!("{}{rel}", self.prefix) }
+        outer_param_name(&self.prefix, rel)
     }
+}
+
+/// Checkpoint name of layer `layer`'s parameter `rel` under the decoder prefix `prefix` (`model.`).
+pub fn layer_param_name(prefix: &str, layer: usize, rel: &str) -> String {
+    format!("{prefix}layers.{layer}.{rel}")
+}
+
+/// Checkpoint name of an outer parameter (`embed_tokens.weight`, `norm.weight`, `lm_head.weight`)
+/// under the decoder prefix `prefix`: the head sits outside it.
+pub fn outer_param_name(prefix: &str, rel: &str) -> String {
+    if rel == "lm_head.weight" { rel.to_string() } else { format!("{prefix}{rel}") }
 }
 
 #[cfg(test)]

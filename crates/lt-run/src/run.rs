@@ -358,10 +358,15 @@ impl<B: AutodiffBackend> Steps<'_, B> {
     fn save(&mut self, obs: &mut Observers) -> Result<f64> {
         let started = Instant::now();
         self.trainer.flush()?;
-        let snap = self.trainer.model.snapshot();
         let meta =
             serde_json::json!({"batcher": self.batcher.state(), "plan": self.chosen.plan_json, "settings": self.s});
-        let c = persist::save_checkpoint(self.store, self.trainer.completed(), &snap, &self.trainer.optimizer(), meta)?;
+        let c = persist::save_shared_checkpoint(
+            self.store,
+            self.trainer.completed(),
+            &self.trainer.model,
+            &self.trainer.optimizer(),
+            meta,
+        )?;
         let seconds = started.elapsed().as_secs_f64();
         for e in &c.prune_errors {
             obs.emit(&Event::Warning(&format!("pruning old checkpoints: {e}")))?;

@@ -46,8 +46,8 @@
 //! ```
 
 use std::ffi::CString;
-use std::fs::{File, OpenOptions};
-use std::io::{BufWriter, Read, Write};
+use std::fs::File;
+use std::io::{Read, Write};
 use std::num::NonZeroUsize;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
@@ -55,6 +55,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::{Deserialize, Serialize};
 
+use crate::direct::SeqFile;
 use crate::error::StorageError;
 use lt_core::hash::{Xxh64, xxh64};
 
@@ -182,6 +183,7 @@ static SEQ: AtomicU64 = AtomicU64::new(0);
 pub struct CheckpointStore {
     root: PathBuf,
     retention: Retention,
+    direct: bool,
 }
 
 /// The result of looking for a checkpoint to resume from.
@@ -218,7 +220,16 @@ pub struct Committed {
 impl CheckpointStore {
     /// A store rooted at `root` (created on the first save). Does no I/O.
     pub fn new(root: impl Into<PathBuf>, retention: Retention) -> Self {
-        Self { root: root.into(), retention }
+        let direct = std::env::var("LT_CHECKPOINT_DIRECT").map_or(true, |v| v != "0");
+        Self { root: root.into(), retention, direct }
+    }
+
+    /// Write blobs through the page cache (`false`) or around it with `O_DIRECT` where the file
+    /// system allows (`true`, the default unless `LT_CHECKPOINT_DIRECT=0`; see `direct.rs`).
+    #[must_use]
+    pub fn with_direct_io(mut self, on: bool) -> Self {
+        self.direct = on;
+        self
     }
 
     /// The root directory.
@@ -375,21 +386,8 @@ impl<'a> CheckpointWriter<'a> {
         }
         let file_name = format!("{name}.bin");
         let path = self.tmp.join(&file_name);
-        let f = OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&path)
-            .map_err(|e| StorageError::io_write(&path, "create checkpoint blob", e))?;
-        Ok(BlobWriter {
-            owner: self,
-            name: name.to_string(),
-            file_name,
-            path,
-            out: BufWriter::with_capacity(1 << 20, f),
-            hasher: Xxh64::new(0),
-            bytes: 0,
-        })
+        let out = SeqFile::create(&path, self.store.direct)?;
+        Ok(BlobWriter { owner: self, name: name.to_string(), file_name, out, hasher: Xxh64::new(0), bytes: 0 })
     }
 
     /// Add a whole blob.
@@ -403,13 +401,7 @@ impl<'a> CheckpointWriter<'a> {
     /// back with [`Checkpoint::read_f32_into`].
     pub fn add_f32(&mut self, name: &str, values: &[f32]) -> Result<(), StorageError> {
         let mut w = self.blob(name)?;
-        #[cfg(target_endian = "little")]
-        w.append(bytemuck::cast_slice(values))?;
-        #[cfg(target_endian = "big")]
-        for chunk in values.chunks(1 << 16) {
-            let le: Vec<u8> = chunk.iter().flat_map(|x| x.to_le_bytes()).collect();
-            w.append(&le)?;
-        }
+        w.append_f32(values)?;
         w.finish()
     }
 
@@ -471,8 +463,7 @@ pub struct BlobWriter<'w, 'a> {
     owner: &'w mut CheckpointWriter<'a>,
     name: String,
     file_name: String,
-    path: PathBuf,
-    out: BufWriter<File>,
+    out: SeqFile,
     hasher: Xxh64,
     bytes: u64,
 }
@@ -481,35 +472,47 @@ impl BlobWriter<'_, '_> {
     /// Append bytes. Out-of-space conditions come back as [`StorageError::NoSpace`] naming the
     /// blob file.
     pub fn append(&mut self, data: &[u8]) -> Result<(), StorageError> {
-        self.out.write_all(data).map_err(|e| StorageError::io_write(&self.path, "write checkpoint blob", e))?;
+        self.out.write_all(data)?;
         self.hasher.update(data);
         self.bytes += data.len() as u64;
         Ok(())
     }
 
-    /// Flush, fsync and record the blob in the checkpoint.
-    pub fn finish(mut self) -> Result<(), StorageError> {
-        self.out.flush().map_err(|e| StorageError::io_write(&self.path, "write checkpoint blob", e))?;
-        self.out.get_ref().sync_all().map_err(|e| StorageError::io_write(&self.path, "fsync checkpoint blob", e))?;
-        self.owner.blobs.push(BlobInfo {
-            name: std::mem::take(&mut self.name),
-            file: std::mem::take(&mut self.file_name),
-            bytes: self.bytes,
-            xxh64: self.hasher.digest(),
-        });
+    /// Append `values` as little-endian f32 (on little-endian hosts straight from their memory,
+    /// without a byte copy).
+    pub fn append_f32(&mut self, values: &[f32]) -> Result<(), StorageError> {
+        #[cfg(target_endian = "little")]
+        self.append(bytemuck::cast_slice(values))?;
+        #[cfg(target_endian = "big")]
+        for chunk in values.chunks(1 << 16) {
+            let le: Vec<u8> = chunk.iter().flat_map(|x| x.to_le_bytes()).collect();
+            self.append(&le)?;
+        }
         Ok(())
+    }
+
+    /// Flush, fsync and record the blob in the checkpoint.
+    pub fn finish(self) -> Result<(), StorageError> {
+        let BlobWriter { owner, name, file_name, out, hasher, bytes, .. } = self;
+        out.finish()?;
+        owner.blobs.push(BlobInfo { name, file: file_name, bytes, xxh64: hasher.digest() });
+        Ok(())
+    }
+
+    /// Whether this blob's writes bypass the page cache (`O_DIRECT`).
+    pub fn is_direct(&self) -> bool {
+        self.out.is_direct()
     }
 }
 
 impl Write for BlobWriter<'_, '_> {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        let n = self.out.write(buf)?;
-        self.hasher.update(&buf[..n]);
-        self.bytes += n as u64;
-        Ok(n)
+        self.append(buf).map_err(std::io::Error::other)?;
+        Ok(buf.len())
     }
+    /// Nothing to do: [`BlobWriter::finish`] writes out and fsyncs.
     fn flush(&mut self) -> std::io::Result<()> {
-        self.out.flush()
+        Ok(())
     }
 }
 
@@ -867,7 +870,7 @@ mod tests {
         save(&store, 7, 7, 1 << 16);
         let f = dir.path().join("step-000000000007").join("master_weights.bin");
         let len = std::fs::metadata(&f).unwrap().len();
-        OpenOptions::new().write(true).open(&f).unwrap().set_len(len / 2).unwrap();
+        std::fs::OpenOptions::new().write(true).open(&f).unwrap().set_len(len / 2).unwrap();
         // ...and a temp dir from a dead writer (pid 4294967295 cannot exist) holding a partial
         // blob and no manifest.
         let stale = dir.path().join(".tmp-4294967295-0-step-000000000008");

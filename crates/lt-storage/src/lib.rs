@@ -12,6 +12,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod checkpoint;
+mod direct;
 pub mod disk;
 pub mod error;
 /// XXH64 lives in lt-core so lt-optim can checksum its state with the same code.
