@@ -23,6 +23,9 @@ pub struct SaveSchedule {
     since_save: u64,
     /// `auto`'s current interval in steps (1 until a save was measured).
     every: u64,
+    /// The first step's time: a warm-up (kernel compilation, autotuning, first allocations), used
+    /// only until a second step is timed.
+    first_step: Option<f64>,
     step_seconds: Vec<f64>,
     save_seconds: Vec<f64>,
 }
@@ -48,13 +51,17 @@ impl AutoInterval {
 impl SaveSchedule {
     /// A schedule for `policy`, starting after a save (or at the run's start).
     pub fn new(policy: SaveEvery) -> Self {
-        Self { policy, since_save: 0, every: 1, step_seconds: Vec::new(), save_seconds: Vec::new() }
+        Self { policy, since_save: 0, every: 1, first_step: None, step_seconds: Vec::new(), save_seconds: Vec::new() }
     }
 
     /// Step `step` finished in `seconds`: whether to save now.
     pub fn step_done(&mut self, step: u64, seconds: f64) -> bool {
         self.since_save += 1;
-        push_window(&mut self.step_seconds, seconds);
+        if self.first_step.is_none() && self.step_seconds.is_empty() {
+            self.first_step = Some(seconds);
+        } else {
+            push_window(&mut self.step_seconds, seconds);
+        }
         match self.policy {
             SaveEvery::Steps(0) => false,
             SaveEvery::Steps(n) => step.is_multiple_of(n),
@@ -72,7 +79,11 @@ impl SaveSchedule {
         }
         let first = self.save_seconds.is_empty();
         push_window(&mut self.save_seconds, seconds);
-        let (save, step) = (median(&self.save_seconds), median(&self.step_seconds));
+        let step = match (self.step_seconds.is_empty(), self.first_step) {
+            (true, Some(first)) => first,
+            _ => median(&self.step_seconds),
+        };
+        let save = median(&self.save_seconds);
         let at = |every| AutoInterval { every, save_seconds: save, step_seconds: step };
         let target = auto_interval(save, step);
         let now = at(self.every).overhead();
@@ -168,6 +179,19 @@ mod tests {
         assert_eq!(said.first().map(|a| a.every), Some(20));
         assert_eq!(said.last().map(|a| a.every), Some(1));
         assert!(saved.ends_with(&[298, 299, 300]));
+    }
+
+    #[test]
+    fn auto_leaves_out_the_warm_up_step_once_others_are_timed() {
+        // A 200 s first step (kernel compilation on a GPU), then 4 s steps, 20 s saves: the first
+        // decision uses the warm-up (every 2), the next ones the steady steps (every 100).
+        let mut s = SaveSchedule::new(SaveEvery::Auto);
+        assert!(s.step_done(1, 200.0));
+        assert_eq!(s.saved(20.0).map(|a| a.every), Some(2));
+        assert!(!s.step_done(2, 4.0));
+        assert!(s.step_done(3, 4.0));
+        let a = s.saved(20.0).unwrap();
+        assert_eq!((a.every, a.step_seconds), (100, 4.0));
     }
 
     #[test]
