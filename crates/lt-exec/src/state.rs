@@ -201,6 +201,19 @@ impl SharedModel {
         }
     }
 
+    /// The masters as a [`HostModel`], moved out without a copy (the upload copies are dropped).
+    pub fn into_host(self) -> HostModel {
+        let head = self.head.into_inner().unwrap_or_else(|e| e.into_inner());
+        HostModel {
+            config: self.config,
+            embed_tokens: head.embed_tokens,
+            norm: head.norm,
+            lm_head: head.lm_head,
+            layers: self.layers.into_iter().map(|l| l.into_inner().unwrap_or_else(|e| e.into_inner())).collect(),
+            prefix: self.prefix,
+        }
+    }
+
     /// Block until slot `slot` has at least `version`. Returns whether it had to wait.
     pub fn wait_version(&self, slot: usize, version: u64) -> bool {
         let Ok(mut v) = self.versions.lock() else { return false };

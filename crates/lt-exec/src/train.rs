@@ -14,6 +14,7 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use burn::tensor::backend::AutodiffBackend;
+use lt_model::host::HostModel;
 use lt_model::model::Batch;
 use lt_optim::{AdamW, AdamWConfig, Grad, OptimizerKind, StepOutcome, ThreadPool};
 use serde::Serialize;
@@ -193,6 +194,19 @@ impl<B: AutodiffBackend> Trainer<B> {
             h.join().map_err(|_| ExecError::Worker("optimizer"))?.map_err(ExecError::OptimizerFailed)?;
         }
         Ok(())
+    }
+
+    /// End training and keep only the masters: gradients, optimizer state, upload copies and the
+    /// executor are freed first, and the masters are moved out rather than copied when nothing else
+    /// holds the model (a [`SharedModel::snapshot`] would add 4 B/param to the run's peak at its end).
+    pub fn into_host(mut self) -> Result<HostModel, ExecError> {
+        self.flush()?;
+        let model = Arc::clone(&self.model);
+        drop(self);
+        Ok(match Arc::try_unwrap(model) {
+            Ok(m) => m.into_host(),
+            Err(shared) => shared.snapshot(),
+        })
     }
 
     /// The optimizer (flush first for a consistent view).

@@ -185,7 +185,11 @@ fn resume_continues(kind: OptimizerKind) {
     let (a, b) = (a.checkpoint.unwrap(), b.checkpoint.unwrap());
     assert_eq!(a.blobs(), b.blobs(), "{}: blob names, sizes and checksums", kind.name());
     assert_eq!(a.meta(), b.meta(), "{}: parameter names and shapes", kind.name());
-    drop(first);
+    // Ending the trainer moves the masters out, not a copy of them: the same weights, the same memory.
+    let at = first.model.layers[0].read().unwrap().tensors[0].data.as_ptr();
+    let moved = first.into_host().unwrap();
+    assert_eq!(moved, snap, "{}: into_host", kind.name());
+    assert_eq!(moved.layers[0].tensors[0].data.as_ptr(), at, "{}: moved, not copied", kind.name());
 
     let ckpt = store.find_latest(Verify::Full).unwrap().checkpoint.unwrap();
     let mut restored = HostModel::load(&root().join("models").join(name)).unwrap();

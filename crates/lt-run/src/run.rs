@@ -180,20 +180,22 @@ impl Run {
         let last = steps.train(obs, &eval)?;
         steps.save(obs)?;
         let Steps { trainer, losses, .. } = steps;
-
-        let snap = trainer.model.snapshot();
+        let last_step = trainer.completed();
+        let trace = Arc::clone(trainer.trace());
+        // The masters alone from here: gradients, optimizer state and the executor are freed, and
+        // the masters are moved out rather than copied (a copy would raise the run's peak at its end).
+        let snap = trainer.into_host()?;
         let model_dir = s.out.join("model");
         persist::export_model(&snap, &model_dir, source_dir.as_deref(), config_json, ExportDtype::F32)?;
         if let Some(files) = &demo_tokenizer {
             files.write_to(&model_dir)?;
         }
         let trace_path = s.out.join("trace.json");
-        let last_step = trainer.completed();
         crate::fsutil::write_atomic(
             &trace_path,
-            trainer.trace().chrome_json(last_step.saturating_sub(1)..=last_step).as_bytes(),
+            trace.chrome_json(last_step.saturating_sub(1)..=last_step).as_bytes(),
         )?;
-        // `snap` was taken after the final save flushed the optimizer: score that copy.
+        // `snap` holds the weights the final save wrote: score them.
         let exact_match = eval.final_scores(&snap, last_step, obs)?;
         let mut report = RunReport {
             steps: last_step,
@@ -208,7 +210,7 @@ impl Run {
             trace: trace_path,
             files: Vec::new(),
         };
-        obs.emit(&Event::Finished { report: &report, trace: trainer.trace(), plan: &chosen })?;
+        obs.emit(&Event::Finished { report: &report, trace: &trace, plan: &chosen })?;
         report.files = obs.0.iter().flat_map(|o| o.files()).filter(|p| *p != report.metrics).collect();
         Ok(report)
     }
