@@ -421,6 +421,15 @@ fn check_disk(s: &RunSettings, store: &CheckpointStore, optim: &lt_optim::AdamW,
     Ok(())
 }
 
+/// `0.2 s`, `7.5 min`, `2.1 h`.
+fn human_seconds(s: f64) -> String {
+    match s {
+        s if s < 120.0 => format!("{s:.1} s"),
+        s if s < 7200.0 => format!("{:.1} min", s / 60.0),
+        s => format!("{:.1} h", s / 3600.0),
+    }
+}
+
 /// The line `--save-every auto` prints when it sets or changes its interval.
 fn auto_save_line(a: &AutoInterval) -> String {
     let cost = format!(
@@ -433,9 +442,10 @@ fn auto_save_line(a: &AutoInterval) -> String {
             100.0 * a.overhead()
         ),
         n => format!(
-            "{cost}: saving every {n} steps ({:.1}% of the time); a kill -9 loses at most {n} steps \
-             (--save-every 1 saves every step)",
-            100.0 * a.overhead()
+            "{cost}: saving every {n} steps ({:.1}% of the time); a kill -9 loses at most {n} steps, about {} of \
+             training (--save-every 1 saves every step)",
+            100.0 * a.overhead(),
+            human_seconds(n as f64 * a.step_seconds)
         ),
     }
 }
