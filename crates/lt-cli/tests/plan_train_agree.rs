@@ -114,5 +114,13 @@ fn lt_plan_breaks_down_the_host_memory_of_the_parameters() {
         assert_eq!(get("upload_copies") > 0, copies, "{hw}: {b}");
         let total = get("masters") + get("grads") + get("optimizer_state") + get("upload_copies");
         assert!(v["peak_host_bytes"].as_u64().unwrap() >= total, "{hw}: {v}");
+
+        // The checkpoint `--save-every auto` would write: masters and optimizer state, and the interval
+        // that keeps its saves within 5% of the predicted step time.
+        assert!(text.lines().any(|l| l.starts_with("checkpoints (predicted): ")), "{text}");
+        let c = &v["checkpoint"];
+        assert_eq!(c["bytes"].as_u64(), Some(get("masters") + get("optimizer_state")), "{c}");
+        let (save, step) = (c["save_seconds"].as_f64().unwrap(), v["predicted_step_seconds"].as_f64().unwrap());
+        assert_eq!(c["auto_save_every"].as_u64(), Some(lt_run::checkpointing::auto_interval(save, step)), "{c}");
     }
 }

@@ -106,6 +106,15 @@ pub fn auto_interval(save: f64, step: f64) -> u64 {
     if n >= u64::MAX as f64 { u64::MAX } else { (n as u64).max(1) }
 }
 
+/// `0.2 s`, `7.5 min`, `2.1 h`: how long a stretch of training is.
+pub fn human_seconds(s: f64) -> String {
+    match s {
+        s if s < 120.0 => format!("{s:.1} s"),
+        s if s < 7200.0 => format!("{:.1} min", s / 60.0),
+        s => format!("{:.1} h", s / 3600.0),
+    }
+}
+
 fn push_window(v: &mut Vec<f64>, x: f64) {
     if v.len() == WINDOW {
         v.remove(0);

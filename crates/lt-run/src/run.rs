@@ -18,7 +18,7 @@ use lt_storage::checkpoint::{CheckpointStore, Retention, Verify};
 use lt_storage::export::ExportDtype;
 use serde::Serialize;
 
-use crate::checkpointing::{AutoInterval, SaveSchedule};
+use crate::checkpointing::{AutoInterval, SaveSchedule, human_seconds};
 use crate::config::{RunConfig, RunSettings, SaveEvery};
 use crate::data::{Inputs, to_micro_batches};
 use crate::device::DeviceChoice;
@@ -419,15 +419,6 @@ fn check_disk(s: &RunSettings, store: &CheckpointStore, optim: &lt_optim::AdamW,
         );
     }
     Ok(())
-}
-
-/// `0.2 s`, `7.5 min`, `2.1 h`.
-fn human_seconds(s: f64) -> String {
-    match s {
-        s if s < 120.0 => format!("{s:.1} s"),
-        s if s < 7200.0 => format!("{:.1} min", s / 60.0),
-        s => format!("{:.1} h", s / 3600.0),
-    }
 }
 
 /// The line `--save-every auto` prints when it sets or changes its interval.

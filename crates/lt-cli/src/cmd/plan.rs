@@ -190,6 +190,24 @@ fn param_host_bytes(s: &Setup, p: &Plan) -> lt_sched::cost::HostBytes {
     lt_sched::cost::host_param_bytes(&s.model, s.hw.compute_dtype_bytes as usize, s.req.cost.optimizer, accum)
 }
 
+/// What `lt train --save-every auto` is predicted to do with this plan.
+struct CheckpointPrediction {
+    /// fp32 masters + optimizer state.
+    bytes: u64,
+    /// One save at the profile's disk write speed.
+    save_seconds: f64,
+    /// The interval auto would choose against the predicted step.
+    every: u64,
+}
+
+fn checkpoint_prediction(s: &Setup, p: &Plan) -> CheckpointPrediction {
+    let b = param_host_bytes(s, p);
+    let bytes = b.masters + b.optimizer_state;
+    let save_seconds = bytes as f64 / s.hw.nvme_write_bytes_per_s().max(1.0);
+    let every = lt_run::checkpointing::auto_interval(save_seconds, p.predicted.step_seconds);
+    CheckpointPrediction { bytes, save_seconds, every }
+}
+
 fn tier_name(p: Placement) -> &'static str {
     match p {
         Placement::Gpu => "gpu",
@@ -230,6 +248,18 @@ state {:.2} + upload copies {:.2}; boundaries kept in host memory and staging bu
         b.grads as f64 / GIB,
         b.optimizer_state as f64 / GIB,
         b.upload_copies as f64 / GIB
+    );
+    let c = checkpoint_prediction(s, &o.plan);
+    println!(
+        "checkpoints (predicted): {:.2} GiB each (fp32 masters + optimizer state), a save {:.1} s at the profile's \
+{:.2} GB/s disk write; `lt train --save-every auto` would save every {} step(s) ({:.1}% of the time), a kill -9 \
+losing at most about {} of training",
+        c.bytes as f64 / GIB,
+        c.save_seconds,
+        s.hw.nvme_write_gb_per_s,
+        c.every,
+        100.0 * c.save_seconds / (c.every as f64 * o.plan.predicted.step_seconds).max(f64::MIN_POSITIVE),
+        lt_run::checkpointing::human_seconds(c.every as f64 * o.plan.predicted.step_seconds)
     );
     if let Some((ours, theirs)) = max_batch {
         let show = |b: Option<usize>| b.map_or("none fits".to_string(), |b| b.to_string());
@@ -405,6 +435,8 @@ fn summary_json(
             })
         })
     };
+    let c = checkpoint_prediction(s, p);
+    let ckpt = serde_json::json!({"bytes": c.bytes, "save_seconds": c.save_seconds, "auto_save_every": c.every});
     let mut v = serde_json::json!({
         "feasible": true,
         "predicted": true,
@@ -429,6 +461,7 @@ fn summary_json(
         "peak_gpu_bytes": pr.peak_gpu_bytes,
         "peak_host_bytes": pr.peak_host_bytes,
         "host_param_bytes": param_host_bytes(s, p),
+        "checkpoint": ckpt,
         "peak_nvme_bytes": pr.peak_nvme_bytes,
         "exposed_seconds": pr.exposed_seconds,
         "micro_batch_size": p.step.shape.micro_batch_size,
