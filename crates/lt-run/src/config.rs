@@ -216,7 +216,8 @@ pub struct RunConfig {
     /// after the first save, with what a kill -9 would lose) [default: auto].
     #[arg(long, value_name = "N|auto")]
     pub save_every: Option<SaveEvery>,
-    /// Checkpoints to keep [default: 2].
+    /// Checkpoints kept on disk, newest first; while saving, one more exists until the oldest is
+    /// pruned (the disk check before training counts both) [default: 2].
     #[arg(long)]
     pub keep_checkpoints: Option<usize>,
     /// Continue from the newest valid checkpoint in --out.

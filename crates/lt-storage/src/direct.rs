@@ -174,7 +174,15 @@ impl DirectWriter {
     fn reap(&mut self) -> Result<SpillBuf, StorageError> {
         let (buf, r) = self.done.recv().map_err(|_| self.thread_gone())?;
         self.in_flight -= 1;
-        r.map_err(|e| StorageError::io_write(self.path.as_path(), "write checkpoint blob", e))?;
+        r.map_err(|e| {
+            // A file system that opened the file with O_DIRECT but refuses its writes.
+            let op = if e.raw_os_error() == Some(libc::EINVAL) {
+                "write checkpoint blob with O_DIRECT (LT_CHECKPOINT_DIRECT=0 writes through the page cache)"
+            } else {
+                "write checkpoint blob"
+            };
+            StorageError::io_write(self.path.as_path(), op, e)
+        })?;
         Ok(buf)
     }
 
