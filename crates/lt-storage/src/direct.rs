@@ -7,8 +7,8 @@
 //! previous ones, so copying (and the caller's hashing) overlaps the disk. The last block is padded
 //! to 4 KiB for the write and the file is then cut to its exact length.
 //!
-//! File systems that refuse `O_DIRECT` (tmpfs, some network mounts) get an ordinary buffered file;
-//! `LT_CHECKPOINT_DIRECT=0` asks for that everywhere.
+//! File systems that refuse `O_DIRECT` at open (tmpfs before Linux 6.6, some network and FUSE
+//! mounts) get an ordinary buffered file; `LT_CHECKPOINT_DIRECT=0` asks for that everywhere.
 
 use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Write};
@@ -243,5 +243,24 @@ mod tests {
                 assert!(std::fs::read(&path).unwrap() == want, "direct {direct}, {len} bytes");
             }
         }
+    }
+
+    /// On tmpfs, which refused `O_DIRECT` at open before Linux 6.6 and takes it since, the file is
+    /// whole either way.
+    #[test]
+    fn a_tmpfs_file_is_written_whole_whichever_way_it_opened() {
+        let shm = Path::new("/dev/shm");
+        if !crate::spill::is_tmpfs(shm) {
+            println!("SKIPPED: no tmpfs at /dev/shm");
+            return;
+        }
+        let dir = tempfile::tempdir_in(shm).unwrap();
+        let path = dir.path().join("f");
+        let want = pattern(BUF + 77, 9);
+        let mut f = SeqFile::create(&path, true).unwrap();
+        println!("tmpfs: O_DIRECT {}", if f.is_direct() { "taken" } else { "refused, buffered" });
+        f.write_all(&want).unwrap();
+        f.finish().unwrap();
+        assert!(std::fs::read(&path).unwrap() == want);
     }
 }
