@@ -61,6 +61,13 @@ pub enum Event<'a> {
         /// Questions in this batch.
         done: usize,
     },
+    /// A checkpoint of `step` is being saved (a [`Event::Saved`] follows when it is durable).
+    Saving {
+        /// The step.
+        step: u64,
+        /// Bytes it will write, about (masters and optimizer state).
+        bytes: u64,
+    },
     /// A checkpoint of `step` was saved (durably) in `seconds`; its files hold `bytes`.
     Saved {
         /// The step.

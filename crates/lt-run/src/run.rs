@@ -167,6 +167,7 @@ impl Run {
         let model = Arc::new(SharedModel::new(resumed.host, resumed.completed));
         let trainer = Trainer::new(model, executor, train_options(s, &chosen), resumed.optim, resumed.completed)?;
         check_disk(s, &resumed.store, &trainer.optimizer(), resumed.completed)?;
+        let checkpoint_bytes = persist::checkpoint_bytes(&trainer.optimizer());
         let mut steps = Steps {
             s,
             chosen: &chosen,
@@ -175,6 +176,7 @@ impl Run {
             batcher,
             losses: Vec::new(),
             schedule: SaveSchedule::new(s.save_every),
+            checkpoint_bytes,
         };
         let eval = Evaluator::new(s, &encoder, &eval, &eval_examples);
         let last = steps.train(obs, &eval)?;
@@ -314,6 +316,8 @@ struct Steps<'a, B: AutodiffBackend> {
     batcher: Batcher,
     losses: Vec<(u64, f64)>,
     schedule: SaveSchedule,
+    /// About what one checkpoint writes (for the progress line while saving).
+    checkpoint_bytes: u64,
 }
 
 impl<B: AutodiffBackend> Steps<'_, B> {
@@ -358,6 +362,7 @@ impl<B: AutodiffBackend> Steps<'_, B> {
     /// A checkpoint of the current step: weights, optimizer state, data position, plan and settings.
     /// Returns the seconds it took, the wait for the overlapped optimizer included.
     fn save(&mut self, obs: &mut Observers) -> Result<f64> {
+        obs.emit(&Event::Saving { step: self.trainer.completed(), bytes: self.checkpoint_bytes })?;
         let started = Instant::now();
         self.trainer.flush()?;
         let meta =

@@ -66,6 +66,11 @@ impl Observer for Console {
                     );
                 }
             }
+            Event::Saving { step, bytes } => {
+                if let Some(pb) = &self.train {
+                    pb.set_message(format!("saving the checkpoint of step {step} ({})", lt_core::ByteSize(*bytes)));
+                }
+            }
             Event::EvalStarted { label, total } => self.eval = Some(crate::progress::bar(*total as u64, label)),
             Event::EvalProgress { done } => {
                 if let Some(pb) = &self.eval {
