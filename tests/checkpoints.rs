@@ -8,6 +8,7 @@ mod common;
 use std::sync::{Arc, Mutex};
 
 use lt_run::{Event, Run};
+use lt_storage::checkpoint::{CheckpointStore, Retention};
 
 #[derive(Debug, Clone, PartialEq)]
 enum Seen {
@@ -50,11 +51,7 @@ fn fixed_interval_saves_are_announced_then_reported_and_pruned() {
         // The estimate leaves out the manifest and the optimizer's per-tensor headers: a few KiB.
         assert!(written >= estimate && written - estimate < 64 << 10, "{estimate} estimated, {written} written");
     }
-    let mut kept: Vec<String> = std::fs::read_dir(out.join("checkpoints"))
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with("step-"))
-        .collect();
-    kept.sort();
-    assert_eq!(kept, ["step-000000000006", "step-000000000007"]);
+    let store = CheckpointStore::new(out.join("checkpoints"), Retention::KeepAll);
+    let kept: Vec<u64> = store.list().unwrap().into_iter().map(|(step, _)| step).collect();
+    assert_eq!(kept, [6, 7]);
 }

@@ -28,15 +28,10 @@ fn run(out: &Path, resume: bool) {
         .unwrap();
 }
 
-/// The step of the newest committed checkpoint in `root` (`step-N` folders; 0 when there is none).
+/// The step of the newest committed checkpoint in `root` (0 when there is none).
 fn newest_checkpoint(root: &Path) -> u64 {
-    std::fs::read_dir(root)
-        .map(|d| {
-            d.filter_map(|e| e.ok()?.file_name().to_str()?.strip_prefix("step-")?.parse::<u64>().ok())
-                .max()
-                .unwrap_or(0)
-        })
-        .unwrap_or(0)
+    let store = lt_storage::checkpoint::CheckpointStore::new(root, lt_storage::checkpoint::Retention::KeepAll);
+    store.list().unwrap_or_default().last().map_or(0, |(step, _)| *step)
 }
 
 fn main() {

@@ -166,8 +166,11 @@ impl Run {
         let batcher = batcher(s, &encoder, train, resumed.batcher)?;
         let model = Arc::new(SharedModel::new(resumed.host, resumed.completed));
         let trainer = Trainer::new(model, executor, train_options(s, &chosen), resumed.optim, resumed.completed)?;
-        check_disk(s, &resumed.store, &trainer.optimizer(), resumed.completed)?;
-        let checkpoint_bytes = persist::checkpoint_bytes(&trainer.optimizer());
+        let (checkpoint_bytes, master_bytes) = {
+            let o = trainer.optimizer();
+            (persist::checkpoint_bytes(&o), 4 * o.numel() as u64)
+        };
+        check_disk(s, &resumed.store, checkpoint_bytes, master_bytes, resumed.completed)?;
         let mut steps = Steps {
             s,
             chosen: &chosen,
@@ -386,25 +389,18 @@ impl<B: AutodiffBackend> Steps<'_, B> {
 
 /// Fail before training when the output folder's file system cannot take what the run will write:
 /// the checkpoints at their peak (`--keep-checkpoints` kept plus the one being written, when the run
-/// saves before its end; only the final one otherwise), less what its existing checkpoints already
-/// hold, plus the fp32 export. A full disk found hours into a run would cost that run.
-/// `LT_DISK_CHECK=off` skips the check (compressing file systems hold more than this counts).
-fn check_disk(s: &RunSettings, store: &CheckpointStore, optim: &lt_optim::AdamW, completed: u64) -> Result<()> {
+/// saves before its end; only the final one otherwise) of `checkpoint` bytes each, less what its
+/// existing checkpoints already hold, plus the fp32 export (`masters` bytes). A full disk found hours
+/// into a run would cost that run. `LT_DISK_CHECK=off` skips the check (compressing file systems
+/// hold more than this counts).
+fn check_disk(s: &RunSettings, store: &CheckpointStore, checkpoint: u64, masters: u64, completed: u64) -> Result<()> {
     if std::env::var("LT_DISK_CHECK").is_ok_and(|v| v == "off") {
         return Ok(());
     }
-    let masters = 4 * optim.numel() as u64;
-    let checkpoint = persist::checkpoint_bytes(optim);
     let saves_before_end = s.save_every != SaveEvery::Steps(0) && s.steps.saturating_sub(completed) > 1;
     let copies = if saves_before_end { s.keep_checkpoints as u64 + 1 } else { 1 };
-    let held: u64 = std::fs::read_dir(store.root())
-        .map(|d| {
-            d.filter_map(Result::ok)
-                .filter(|e| e.file_name().to_str().is_some_and(|n| n.starts_with("step-")))
-                .map(|e| crate::fsutil::dir_bytes(&e.path()))
-                .sum()
-        })
-        .unwrap_or(0);
+    // A fresh run has no checkpoint folder yet: nothing held.
+    let held: u64 = store.list().unwrap_or_default().iter().map(|(_, dir)| crate::fsutil::dir_bytes(dir)).sum();
     let need = copies.saturating_mul(checkpoint).saturating_sub(held).max(checkpoint).saturating_add(masters);
     let free = lt_storage::disk::available_bytes(store.root())?;
     if free < need {

@@ -200,8 +200,7 @@ struct CheckpointPrediction {
     every: u64,
 }
 
-fn checkpoint_prediction(s: &Setup, p: &Plan) -> CheckpointPrediction {
-    let b = param_host_bytes(s, p);
+fn checkpoint_prediction(s: &Setup, p: &Plan, b: &lt_sched::cost::HostBytes) -> CheckpointPrediction {
     let bytes = b.masters + b.optimizer_state;
     let save_seconds = bytes as f64 / s.hw.nvme_write_bytes_per_s().max(1.0);
     let every = lt_run::checkpointing::auto_interval(save_seconds, p.predicted.step_seconds);
@@ -249,7 +248,7 @@ state {:.2} + upload copies {:.2}; boundaries kept in host memory and staging bu
         b.optimizer_state as f64 / GIB,
         b.upload_copies as f64 / GIB
     );
-    let c = checkpoint_prediction(s, &o.plan);
+    let c = checkpoint_prediction(s, &o.plan, &b);
     println!(
         "checkpoints (predicted): {:.2} GiB each (fp32 masters + optimizer state), a save {:.1} s at the profile's \
 {:.2} GB/s disk write; `lt train --save-every auto` would save every {} step(s) ({:.1}% of the time), a kill -9 \
@@ -435,7 +434,8 @@ fn summary_json(
             })
         })
     };
-    let c = checkpoint_prediction(s, p);
+    let host_bytes = param_host_bytes(s, p);
+    let c = checkpoint_prediction(s, p, &host_bytes);
     let ckpt = serde_json::json!({"bytes": c.bytes, "save_seconds": c.save_seconds, "auto_save_every": c.every});
     let mut v = serde_json::json!({
         "feasible": true,
@@ -460,7 +460,7 @@ fn summary_json(
         "baseline_tflops": mt.map(|q| q.predicted.tflops),
         "peak_gpu_bytes": pr.peak_gpu_bytes,
         "peak_host_bytes": pr.peak_host_bytes,
-        "host_param_bytes": param_host_bytes(s, p),
+        "host_param_bytes": host_bytes,
         "checkpoint": ckpt,
         "peak_nvme_bytes": pr.peak_nvme_bytes,
         "exposed_seconds": pr.exposed_seconds,
