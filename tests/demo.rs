@@ -39,7 +39,8 @@ fn demo_writes_its_outputs_and_its_exported_model_reproduces_the_score() {
     let examples = prepare(&file, &encoder, &opts).unwrap().eval_examples;
     assert_eq!(examples.len(), 6, "eval.json holds exactly the evaluated questions");
     let model = DeviceModel::<CpuBackend>::from_host(&host, &Default::default());
-    let (again, _) = evaluate(&model, encoder.tokenizer(), encoder.stop_token_id(), &examples, 48, 32, |_| {}).unwrap();
+    let (again, _) =
+        evaluate(&mut &model, encoder.tokenizer(), encoder.stop_token_id(), &examples, 48, 32, |_| {}).unwrap();
     assert_eq!(again.overall, acc.overall);
     assert_eq!(again.by_type, acc.by_type);
 }

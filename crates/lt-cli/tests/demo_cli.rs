@@ -57,17 +57,21 @@ fn demo_writes_its_outputs_and_lt_eval_reproduces_its_score() {
         serde_json::from_str(&std::fs::read_to_string(out.join("eval.json")).unwrap()).unwrap();
     assert_eq!(held.len(), 6, "eval.json holds exactly the evaluated questions");
 
-    // `lt eval` on the exported model scores the same questions the same way.
-    let eval = Command::new(env!("CARGO_BIN_EXE_lt"))
-        .args(["eval", "--json", "--max-new-tokens", "48", "--model"])
-        .arg(out.join("model"))
-        .arg("--data")
-        .arg(out.join("eval.json"))
-        .output()
-        .unwrap();
-    let eval_out = String::from_utf8_lossy(&eval.stdout);
-    assert!(eval.status.success(), "{eval_out}\n{}", String::from_utf8_lossy(&eval.stderr));
-    let v: serde_json::Value = serde_json::from_str(eval_out.lines().last().unwrap()).unwrap();
-    assert_eq!((v["correct"].as_u64(), v["total"].as_u64()), (correct, total));
-    assert_eq!(v["by_type"], last["eval"]["by_type"]);
+    // `lt eval` on the exported model scores the same questions the same way, with the whole model
+    // bound and with its layers streamed (what the run's own evaluation does).
+    for stream in [false, true] {
+        let eval = Command::new(env!("CARGO_BIN_EXE_lt"))
+            .args(["eval", "--json", "--max-new-tokens", "48", "--model"])
+            .arg(out.join("model"))
+            .arg("--data")
+            .arg(out.join("eval.json"))
+            .args(stream.then_some("--stream"))
+            .output()
+            .unwrap();
+        let eval_out = String::from_utf8_lossy(&eval.stdout);
+        assert!(eval.status.success(), "{eval_out}\n{}", String::from_utf8_lossy(&eval.stderr));
+        let v: serde_json::Value = serde_json::from_str(eval_out.lines().last().unwrap()).unwrap();
+        assert_eq!((v["correct"].as_u64(), v["total"].as_u64()), (correct, total), "stream {stream}");
+        assert_eq!(v["by_type"], last["eval"]["by_type"], "stream {stream}");
+    }
 }

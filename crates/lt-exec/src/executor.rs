@@ -589,7 +589,10 @@ impl<B: AutodiffBackend> Executor<B> {
                             trace.span(Stream::H2d, step, format!("prepare {}", &item.to_string()[7..]), || {
                                 let h = model.head.read().unwrap_or_else(|e| e.into_inner());
                                 if item == Upload::Embed {
-                                    return Ok(Prepared::Embed(gather_embedding(&h.embed_tokens, &ids, hidden, float)));
+                                    // Only the micro-batch's rows cross the bus, never the embedding matrix (the
+                                    // planner's contract); ids are validated before any upload.
+                                    let rows = lt_model::stream::gather_rows(&h.embed_tokens.data, hidden, &ids, float);
+                                    return Ok(Prepared::Embed(rows));
                                 }
                                 let out = h.lm_head.as_ref().unwrap_or(&h.embed_tokens);
                                 match bf16_copy(&model, HEAD, float) {
@@ -846,19 +849,6 @@ impl<B: AutodiffBackend> Executor<B> {
 /// masters instead.
 fn bf16_copy(model: &SharedModel, slot: usize, upload: DType) -> Option<crate::state::UploadCopy> {
     if upload == DType::BF16 { model.upload_copy(slot) } else { None }
-}
-
-/// The rows of `ids` gathered from the host embedding as `[B, T, hidden]` data in `dtype`: only the
-/// micro-batch's activation crosses the bus, never the embedding matrix (the planner's contract).
-fn gather_embedding(embed: &lt_model::host::HostTensor, ids: &[Vec<u32>], hidden: usize, dtype: DType) -> TensorData {
-    let (b, t) = (ids.len(), ids.first().map_or(0, Vec::len));
-    let mut rows = Vec::with_capacity(b * t * hidden);
-    for &id in ids.iter().flatten() {
-        // Ids are validated against the vocabulary before any upload.
-        let r = id as usize * hidden;
-        rows.extend_from_slice(&embed.data[r..r + hidden]);
-    }
-    host_data(&rows, &[b, t, hidden], dtype)
 }
 
 /// `e[id] += g[token]` for every token of `ids` (the embedding's backward).

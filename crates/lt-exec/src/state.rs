@@ -243,3 +243,36 @@ impl SharedModel {
         self.versions.lock().map(|v| v.iter().copied().min().unwrap_or(0)).unwrap_or(0)
     }
 }
+
+/// Streamed evaluation reads the masters where they are, one layer under its lock at a time
+/// (`lt_model::stream::Streamed`): no copy of the model. On a bf16 device the uploads share the
+/// optimizer's bf16 copies, as training's do. Call when no update runs ([`crate::Trainer::flush`]).
+impl lt_model::stream::HostWeights for SharedModel {
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn layer(&self, i: usize, dtype: burn::tensor::DType) -> lt_model::weights::PreparedLayer {
+        use lt_model::weights::PreparedLayer;
+        let l = self.layers[i].read().unwrap_or_else(|e| e.into_inner());
+        let kind = self.config.layer_types[i];
+        let shared = (dtype == burn::tensor::DType::BF16)
+            .then(|| self.upload_copy(layer_slot(i)))
+            .flatten()
+            .and_then(|c| c.into_iter().collect::<Option<Vec<_>>>())
+            .and_then(|c| PreparedLayer::from_copies(&l, kind, &c));
+        shared.unwrap_or_else(|| PreparedLayer::converted(&l, kind, dtype))
+    }
+
+    fn embed_rows(&self, ids: &[Vec<u32>], dtype: burn::tensor::DType) -> burn::tensor::TensorData {
+        let h = self.head.read().unwrap_or_else(|e| e.into_inner());
+        lt_model::stream::gather_rows(&h.embed_tokens.data, self.config.hidden_size, ids, dtype)
+    }
+
+    fn head(&self, dtype: burn::tensor::DType) -> (burn::tensor::TensorData, burn::tensor::TensorData) {
+        let h = self.head.read().unwrap_or_else(|e| e.into_inner());
+        let out = h.lm_head.as_ref().unwrap_or(&h.embed_tokens);
+        let host = |t: &HostTensor| lt_model::upload::host_data(&t.data, &t.shape, dtype);
+        (host(&h.norm), host(out))
+    }
+}

@@ -11,8 +11,9 @@ use burn::tensor::{Bool, Tensor, TensorData};
 
 use crate::delta::DeltaForm;
 use crate::layer::{LayerCache, SeqCtx, layer_forward_cached};
-use crate::model::{embed, head_logits, to_vec};
+use crate::model::to_vec;
 use crate::ops::Rope;
+use crate::stream::ForwardWeights;
 use crate::weights::DeviceModel;
 
 /// Greedy continuation of each prompt: at most `max_new_tokens` tokens, stopping a row at the first
@@ -26,8 +27,24 @@ pub fn generate_greedy<B: Backend>(
     max_new_tokens: usize,
     stop: &[u32],
 ) -> Vec<Vec<u32>> {
-    let cfg = &model.config;
-    let device = model.head.embed_tokens.device();
+    generate_greedy_with(&mut &*model, prompts, max_new_tokens, stop)
+}
+
+/// [`generate_greedy`] over any [`ForwardWeights`]: with [`crate::stream::Streamed`] weights every
+/// decoding step streams the decoder layers once, for all rows together (so larger batches
+/// amortize the uploads), while the decoding caches stay on the device.
+///
+/// # Panics
+/// As [`generate_greedy`].
+pub fn generate_greedy_with<B: Backend, W: ForwardWeights<B> + ?Sized>(
+    model: &mut W,
+    prompts: &[Vec<u32>],
+    max_new_tokens: usize,
+    stop: &[u32],
+) -> Vec<Vec<u32>> {
+    let cfg = model.config().clone();
+    let cfg = &cfg;
+    let device = model.device();
     let b = prompts.len();
     if b == 0 || max_new_tokens == 0 {
         return vec![Vec::new(); b];
@@ -61,13 +78,11 @@ pub fn generate_greedy<B: Backend>(
         token_mask: Some(Tensor::from_data(TensorData::new(token_mask, [b, t, 1]), &device)),
         delta_form: DeltaForm::Chunked,
     };
-    let mut caches: Vec<LayerCache<B>> = (0..model.layers.len()).map(|_| LayerCache::default()).collect();
-    let mut x = embed(&model.head, &ids);
-    for (w, c) in model.layers.iter().zip(caches.iter_mut()) {
-        x = layer_forward_cached(cfg, w, x, &ctx, Some(c));
-    }
+    let mut caches: Vec<LayerCache<B>> = (0..cfg.num_layers()).map(|_| LayerCache::default()).collect();
+    let x = model.embed(&ids);
+    let x = model.layers(x, &mut |i, w, x| layer_forward_cached(cfg, w, x, &ctx, caches.get_mut(i)));
     let last = x.narrow(1, t - 1, 1);
-    let mut next = argmax_rows(head_logits(cfg, &model.head, last));
+    let mut next = argmax_rows(model.logits(last));
 
     let mut out: Vec<Vec<u32>> = vec![Vec::new(); b];
     let mut done = vec![false; b];
@@ -98,11 +113,9 @@ pub fn generate_greedy<B: Backend>(
             delta_form: DeltaForm::Recurrent,
         };
         let step_ids: Vec<Vec<u32>> = next.iter().map(|&v| vec![v]).collect();
-        let mut x = embed(&model.head, &step_ids);
-        for (w, c) in model.layers.iter().zip(caches.iter_mut()) {
-            x = layer_forward_cached(cfg, w, x, &ctx, Some(c));
-        }
-        next = argmax_rows(head_logits(cfg, &model.head, x));
+        let x = model.embed(&step_ids);
+        let x = model.layers(x, &mut |i, w, x| layer_forward_cached(cfg, w, x, &ctx, caches.get_mut(i)));
+        next = argmax_rows(model.logits(x));
     }
     out
 }

@@ -23,6 +23,7 @@ pub mod host;
 pub mod layer;
 pub mod model;
 pub mod ops;
+pub mod stream;
 pub mod upload;
 pub mod weights;
 

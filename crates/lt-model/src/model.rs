@@ -178,8 +178,22 @@ pub fn embed<B: Backend>(head: &HeadWeights<B>, ids: &[Vec<u32>]) -> Tensor<B, 3
 /// # Shapes
 /// - x: `[B, T, hidden]` -> `[B, T, vocab]`
 pub fn head_logits<B: Backend>(cfg: &lt_core::ModelConfig, head: &HeadWeights<B>, x: Tensor<B, 3>) -> Tensor<B, 3> {
-    let h = ops::rms_norm(x, &head.norm, cfg.rms_norm_eps, cfg.zero_centered_norm);
-    ops::linear(h, head.output_weight(), None)
+    head_logits_parts(cfg, &head.norm, head.output_weight(), x)
+}
+
+/// [`head_logits`] from the final norm's weight and the output projection (`lm_head`, or the
+/// embedding when tied).
+///
+/// # Shapes
+/// - x: `[B, T, hidden]` -> `[B, T, vocab]`
+pub fn head_logits_parts<B: Backend>(
+    cfg: &lt_core::ModelConfig,
+    norm: &Tensor<B, 1>,
+    out: &Tensor<B, 2>,
+    x: Tensor<B, 3>,
+) -> Tensor<B, 3> {
+    let h = ops::rms_norm(x, norm, cfg.rms_norm_eps, cfg.zero_centered_norm);
+    ops::linear(h, out, None)
 }
 
 /// Tokens that contribute to the loss: shifted by one, `-100` ignored.

@@ -11,8 +11,10 @@
 #![cfg(feature = "wgpu")]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use lt_model::generate::{generate_greedy, generate_greedy_with};
 use lt_model::host::HostModel;
 use lt_model::model::{forward_logits, full_graph_grads, to_vec};
+use lt_model::stream::{Streamed, forward_logits_with};
 use lt_model::weights::DeviceModel;
 use lt_model::{WgpuAutodiff, WgpuBackend};
 use lt_storage::safetensors_io::SafetensorsModel;
@@ -47,6 +49,28 @@ fn wgpu_logits_loss_and_gradients_match_transformers() {
             worst = worst.max(e);
             assert!(e <= 1e-3, "{name}: wgpu grad {n} rel err {e}");
         }
-        eprintln!("{name}: wgpu logits max-abs {d:.1e}, loss rel {rl:.1e}, worst grad rel {worst:.1e}");
+        // The same model streamed from host memory one layer at a time (what evaluation during
+        // training and `lt eval --stream` run): the same bar against transformers.
+        let mut streamed = Streamed::<WgpuBackend, HostModel>::new(&host, &device);
+        let sd =
+            max_abs_diff(&to_vec(forward_logits_with(&mut streamed, &b.input_ids)), &exp.read_f32("logits").unwrap());
+        assert!(sd <= 1e-4, "{name}: streamed wgpu logits max-abs diff {sd}");
+        eprintln!(
+            "{name}: wgpu logits max-abs {d:.1e} (streamed {sd:.1e}), loss rel {rl:.1e}, worst grad rel {worst:.1e}"
+        );
     }
+}
+
+/// Greedy generation streamed onto wgpu (decoding caches on the device, every layer uploaded once
+/// per decoding step) gives the CPU's whole-model tokens, on the hybrid fixture (attention caches and
+/// the delta rule's recurrent state and conv window).
+#[test]
+fn wgpu_streamed_generation_follows_the_cpu() {
+    let device = lt_model::device::wgpu_device().unwrap_or_else(|e| panic!("{e}"));
+    let host = HostModel::load(&fixture("qwen35-hybrid")).unwrap();
+    let prompts = vec![vec![5u32, 17, 3, 88, 41, 9, 60], vec![12, 70], vec![33, 2, 19, 4]];
+    let cpu = DeviceModel::<lt_model::CpuBackend>::from_host(&host, &Default::default());
+    let want = generate_greedy(&cpu, &prompts, 6, &[]);
+    let mut streamed = Streamed::<WgpuBackend, HostModel>::new(&host, &device);
+    assert_eq!(generate_greedy_with(&mut streamed, &prompts, 6, &[]), want);
 }

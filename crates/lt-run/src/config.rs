@@ -233,13 +233,19 @@ pub struct RunConfig {
     /// Fraction of question groups held out for evaluation [default: 0; demo 0.1].
     #[arg(long)]
     pub eval_fraction: Option<f64>,
-    /// Held-out loss every N steps and at the end, on up to 128 held-out examples; 0 turns it off. It runs
-    /// on the CPU backend, so keep it off for large models [default: off; demo steps/20].
+    /// Held-out loss every N steps and at the end, on up to 128 held-out examples; 0 turns it off. Like
+    /// exact match it runs on the training device, the layers streamed from the masters one at a time
+    /// as in training (no copy of the model) [default: off; demo steps/20].
     #[arg(long)]
     pub eval_loss_every: Option<u64>,
     /// Evaluate at most N held-out questions [default: 200].
     #[arg(long)]
     pub eval_limit: Option<usize>,
+    /// Held-out questions decoded together [default: 32]. Every decoding step streams each layer to the
+    /// device once for the whole batch, so on a GPU a larger batch means fewer uploads (its decoding
+    /// caches stay on the device).
+    #[arg(long)]
+    pub eval_batch_size: Option<usize>,
     /// Longest generated answer during evaluation [default: 256; demo 48].
     #[arg(long)]
     pub max_new_tokens: Option<usize>,
@@ -414,7 +420,7 @@ keys! {
         max_grad_norm: f64, warmup_steps: u64, optimizer: OptimizerChoice, seed: u64, policy: Policy,
         keep_checkpoints: usize,
         device: DeviceChoice, eval_every: u64, eval_loss_every: u64, eval_fraction: f64, eval_limit: usize,
-        max_new_tokens: usize, threads: usize, format: lt_data::DatasetFormat],
+        eval_batch_size: usize, max_new_tokens: usize, threads: usize, format: lt_data::DatasetFormat],
     switches: [cosine, no_shuffle, resume, no_packing, train_on_prompt, skip_bad_records, serial_optimizer],
 }
 
@@ -475,6 +481,8 @@ pub struct RunSettings {
     pub eval_fraction: f64,
     /// Eval questions.
     pub eval_limit: usize,
+    /// Held-out questions decoded together.
+    pub eval_batch_size: usize,
     /// Eval generation length.
     pub max_new_tokens: usize,
     /// Packing.
@@ -562,6 +570,9 @@ impl RunSettings {
         if !(0.0..1.0).contains(&eval_fraction) {
             return Err(bad("eval-fraction", "must be in [0, 1)"));
         }
+        if o.eval_batch_size == Some(0) {
+            return Err(bad("eval-batch-size", "must be > 0"));
+        }
         let adamw = AdamWConfig {
             lr,
             beta1: 0.9,
@@ -603,6 +614,7 @@ impl RunSettings {
             eval_loss_every: o.eval_loss_every.unwrap_or(if demo { (steps / 20).max(1) } else { 0 }),
             eval_fraction,
             eval_limit: o.eval_limit.unwrap_or(200),
+            eval_batch_size: o.eval_batch_size.unwrap_or(32),
             max_new_tokens: o.max_new_tokens.unwrap_or(d(demo, 48, 256)),
             packing: !o.no_packing,
             train_on_prompt: o.train_on_prompt,

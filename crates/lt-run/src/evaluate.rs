@@ -6,8 +6,8 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use burn::tensor::backend::Backend;
 use lt_data::{Accuracy, ChatEncoder, EvalExample, Tokenizer, TokenizerKind};
-use lt_model::generate::generate_greedy;
-use lt_model::weights::DeviceModel;
+use lt_model::generate::generate_greedy_with;
+use lt_model::stream::ForwardWeights;
 use serde::Serialize;
 
 /// The tokenizer and chat template of a model folder (`tokenizer.json`, `tokenizer_config.json`).
@@ -46,9 +46,11 @@ pub struct Prediction {
     pub correct: bool,
 }
 
-/// Greedy-generate for every example (in batches) and score it.
-pub fn evaluate<B: Backend>(
-    model: &DeviceModel<B>,
+/// Greedy-generate for every example (in batches) and score it. `model` is a whole `DeviceModel`
+/// (`&mut &model`) or a model streamed from host memory (`lt_model::stream::Streamed`), which
+/// uploads every layer once per decoding step for the whole batch.
+pub fn evaluate<B: Backend, W: ForwardWeights<B> + ?Sized>(
+    model: &mut W,
     tokenizer: &Arc<dyn Tokenizer>,
     stop: Option<u32>,
     examples: &[EvalExample],
@@ -61,7 +63,7 @@ pub fn evaluate<B: Backend>(
     let stops: Vec<u32> = stop.into_iter().collect();
     for chunk in examples.chunks(batch_size.max(1)) {
         let prompts: Vec<Vec<u32>> = chunk.iter().map(|e| e.prompt_ids.clone()).collect();
-        let outs = generate_greedy(model, &prompts, max_new_tokens, &stops);
+        let outs = generate_greedy_with(model, &prompts, max_new_tokens, &stops);
         for (ex, out) in chunk.iter().zip(outs) {
             let text = tokenizer.decode(&out, true).context("decoding a generation")?;
             let correct = acc.score_and_record(&text, ex);

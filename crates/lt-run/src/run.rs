@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use lt_data::{
     Accuracy, BatchMode, Batcher, BatcherConfig, BatcherState, ChatEncoder, EvalExample, Prepared, TokenizedDataset,
 };
@@ -13,7 +13,7 @@ use lt_exec::persist;
 use lt_exec::state::SharedModel;
 use lt_exec::train::{StepMetrics, TrainOptions, Trainer};
 use lt_model::host::HostModel;
-use lt_model::weights::DeviceModel;
+use lt_model::stream::{ForwardWeights, Streamed};
 use lt_storage::checkpoint::{CheckpointStore, Retention, Verify};
 use lt_storage::export::ExportDtype;
 use serde::Serialize;
@@ -156,7 +156,7 @@ impl Run {
         let cfg = inputs.host.config.clone();
         let chosen = choose_plan(s, &cfg)?;
         obs.emit(&Event::Planned { plan: &chosen })?;
-        let (executor, note) = executor_for::<B>(&chosen, &cfg, s.seq_len, device, &s.spill_dir)?;
+        let (executor, note) = executor_for::<B>(&chosen, &cfg, s.seq_len, device.clone(), &s.spill_dir)?;
         if let Some(note) = note {
             obs.emit(&Event::Note(&note))?;
         }
@@ -180,6 +180,7 @@ impl Run {
             losses: Vec::new(),
             schedule: SaveSchedule::new(s.save_every),
             checkpoint_bytes,
+            device: &device,
         };
         let eval = Evaluator::new(s, &encoder, &eval, &eval_examples);
         let last = steps.train(obs, &eval)?;
@@ -201,7 +202,7 @@ impl Run {
             trace.chrome_json(last_step.saturating_sub(1)..=last_step).as_bytes(),
         )?;
         // `snap` holds the weights the final save wrote: score them.
-        let exact_match = eval.final_scores(&snap, last_step, obs)?;
+        let exact_match = eval.final_scores::<B::InnerBackend>(&snap, &device, last_step, obs)?;
         let mut report = RunReport {
             steps: last_step,
             seconds: started.elapsed().as_secs_f64(),
@@ -321,6 +322,8 @@ struct Steps<'a, B: AutodiffBackend> {
     schedule: SaveSchedule,
     /// About what one checkpoint writes (for the progress line while saving).
     checkpoint_bytes: u64,
+    /// The training device, where evaluations run.
+    device: &'a <B::InnerBackend as burn::tensor::backend::BackendTypes>::Device,
 }
 
 impl<B: AutodiffBackend> Steps<'_, B> {
@@ -348,12 +351,14 @@ impl<B: AutodiffBackend> Steps<'_, B> {
             let em_now = eval.em_wanted() && s.eval_every > 0 && m.step % s.eval_every == 0 && before_end;
             if loss_now || em_now {
                 self.trainer.flush()?;
-                let dm = cpu_copy(&self.trainer.model.snapshot());
-                if loss_now && let Some(loss) = eval.loss(&dm)? {
+                // Streamed from the masters onto the training device, one layer at a time: no copy
+                // of the model, on host or device.
+                let mut dm = Streamed::<B::InnerBackend, SharedModel>::new(&self.trainer.model, self.device);
+                if loss_now && let Some(loss) = eval.loss(&mut dm)? {
                     obs.emit(&Event::EvalLoss { step: m.step, loss })?;
                 }
                 if em_now {
-                    let acc = eval.exact_match(&dm, "eval", obs)?;
+                    let acc = eval.exact_match(&mut dm, "eval", obs)?;
                     obs.emit(&Event::ExactMatch { step: m.step, accuracy: &acc, is_final: false })?;
                 }
             }
@@ -442,11 +447,10 @@ fn auto_save_line(a: &AutoInterval) -> String {
     }
 }
 
-fn cpu_copy(host: &HostModel) -> DeviceModel<lt_model::CpuBackend> {
-    DeviceModel::<lt_model::CpuBackend>::from_host(host, &Default::default())
-}
+/// Most logits the held-out loss makes at once (2^28 values: 1 GiB in f32).
+const LOGITS_CAP: usize = 1 << 28;
 
-/// Held-out scoring, on one CPU copy of the current weights per evaluation point.
+/// Held-out scoring on the training device, the layers streamed from host memory.
 struct Evaluator<'a> {
     s: &'a RunSettings,
     encoder: &'a ChatEncoder,
@@ -477,9 +481,9 @@ impl<'a> Evaluator<'a> {
     }
 
     /// Greedy generation on every held-out question, scored by exact match.
-    fn exact_match(
+    fn exact_match<B: Backend, W: ForwardWeights<B>>(
         &self,
-        dm: &DeviceModel<lt_model::CpuBackend>,
+        dm: &mut W,
         label: &str,
         obs: &mut Observers,
     ) -> Result<Accuracy> {
@@ -487,49 +491,73 @@ impl<'a> Evaluator<'a> {
         obs.emit(&Event::EvalStarted { label, total: examples.len() })?;
         let tok = self.encoder.tokenizer();
         let stop = self.encoder.stop_token_id();
-        let (acc, _) = crate::evaluate::evaluate(dm, tok, stop, examples, self.s.max_new_tokens, 32, |done| {
-            // Progress only: an observer failing to draw a bar does not stop the evaluation.
-            let _ = obs.emit(&Event::EvalProgress { done });
-        })?;
+        let (acc, _) = crate::evaluate::evaluate(
+            dm,
+            tok,
+            stop,
+            examples,
+            self.s.max_new_tokens,
+            self.s.eval_batch_size,
+            |done| {
+                // Progress only: an observer failing to draw a bar does not stop the evaluation.
+                let _ = obs.emit(&Event::EvalProgress { done });
+            },
+        )?;
         Ok(acc)
     }
 
     /// The mean held-out token loss: each example its own right-padded row (causal attention never
-    /// sees the padding), averaged over the shifted non-ignored tokens as in training.
-    fn loss(&self, dm: &DeviceModel<lt_model::CpuBackend>) -> Result<Option<f64>> {
+    /// sees the padding), averaged over the shifted non-ignored tokens as in training. The layers run
+    /// on 32 rows at a time; the head on as many rows as keep their logits within [`LOGITS_CAP`]
+    /// values (152K-token vocabularies make `[32, 1024, vocab]` 20 GB in f32).
+    fn loss<B: Backend, W: ForwardWeights<B>>(&self, dm: &mut W) -> Result<Option<f64>> {
         let (mut sum, mut count) = (0.0f64, 0usize);
         let pad = self.encoder.tokenizer().pad_id().unwrap_or(0);
+        let vocab = dm.config().vocab_size;
         for rows in self.loss_rows.chunks(32) {
             let len = rows.iter().map(|(ids, _)| ids.len()).max().unwrap_or(0);
             let ids: Vec<Vec<u32>> = rows.iter().map(|(ids, _)| padded(ids, len, pad)).collect();
             let labels: Vec<Vec<i64>> = rows.iter().map(|(_, l)| padded(l, len, lt_data::IGNORE_INDEX)).collect();
-            let n = lt_model::model::loss_token_count(&labels);
-            if n == 0 {
+            if lt_model::model::loss_token_count(&labels) == 0 {
                 continue;
             }
-            let logits = lt_model::model::forward_logits(dm, &ids);
-            let loss = lt_model::model::to_vec(lt_model::model::causal_lm_loss(logits, &labels));
-            sum += f64::from(loss.first().copied().unwrap_or(f32::NAN)) * n as f64;
-            count += n;
+            let x = lt_model::stream::hidden_states_with(dm, &ids);
+            let per_head = (LOGITS_CAP / (len * vocab).max(1)).clamp(1, rows.len());
+            for (k, labels) in labels.chunks(per_head).enumerate() {
+                let n = lt_model::model::loss_token_count(labels);
+                if n == 0 {
+                    continue;
+                }
+                let logits = dm.logits(x.clone().narrow(0, k * per_head, labels.len()));
+                let loss = lt_model::model::to_vec(lt_model::model::causal_lm_loss(logits, labels));
+                sum += f64::from(loss.first().copied().unwrap_or(f32::NAN)) * n as f64;
+                count += n;
+            }
         }
         Ok((count > 0).then(|| sum / count as f64))
     }
 
-    /// The end-of-run held-out loss and exact match of `snap`.
-    fn final_scores(&self, snap: &HostModel, step: u64, obs: &mut Observers) -> Result<Option<Accuracy>> {
+    /// The end-of-run held-out loss and exact match of `snap`, streamed onto `device`.
+    fn final_scores<B: Backend>(
+        &self,
+        snap: &HostModel,
+        device: &B::Device,
+        step: u64,
+        obs: &mut Observers,
+    ) -> Result<Option<Accuracy>> {
         if !self.loss_wanted() && !self.em_wanted() {
             return Ok(None);
         }
-        let dm = cpu_copy(snap);
+        let mut dm = Streamed::<B, HostModel>::new(snap, device);
         if self.loss_wanted()
-            && let Some(loss) = self.loss(&dm)?
+            && let Some(loss) = self.loss(&mut dm)?
         {
             obs.emit(&Event::EvalLoss { step, loss })?;
         }
         if !self.em_wanted() {
             return Ok(None);
         }
-        let acc = self.exact_match(&dm, "final eval", obs)?;
+        let acc = self.exact_match(&mut dm, "final eval", obs)?;
         obs.emit(&Event::ExactMatch { step, accuracy: &acc, is_final: true })?;
         Ok(Some(acc))
     }

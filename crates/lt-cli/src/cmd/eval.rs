@@ -7,6 +7,7 @@ use anyhow::{Context, Result};
 use burn::tensor::backend::Backend;
 use lt_data::{DatasetFile, DatasetFormat, PrepareOptions, prepare};
 use lt_model::host::HostModel;
+use lt_model::stream::Streamed;
 use lt_model::weights::DeviceModel;
 
 use lt_run::DeviceChoice;
@@ -53,6 +54,11 @@ pub struct EvalArgs {
     /// fit in GPU memory; a binary built with `--features cuda`).
     #[arg(long, value_enum, default_value_t = DeviceChoice::Cpu)]
     pub device: DeviceChoice,
+    /// Keep the model in host memory and stream its decoder layers to the device one at a time, as
+    /// training does: for a model larger than the GPU. Every decoding step uploads every layer once
+    /// for the whole batch, so raise --batch-size (the decoding caches stay on the device).
+    #[arg(long)]
+    pub stream: bool,
 }
 
 fn generate_on<B: Backend>(
@@ -63,16 +69,14 @@ fn generate_on<B: Backend>(
     progress: impl FnMut(usize),
     device: &B::Device,
 ) -> Result<(lt_data::Accuracy, Vec<lt_run::evaluate::Prediction>)> {
-    let model = DeviceModel::<B>::from_host(host, device);
-    evaluate(
-        &model,
-        encoder.tokenizer(),
-        encoder.stop_token_id(),
-        examples,
-        args.max_new_tokens,
-        args.batch_size,
-        progress,
-    )
+    let (tok, stop) = (encoder.tokenizer(), encoder.stop_token_id());
+    if args.stream {
+        let mut model = Streamed::<B, HostModel>::new(host, device);
+        evaluate(&mut model, tok, stop, examples, args.max_new_tokens, args.batch_size, progress)
+    } else {
+        let model = DeviceModel::<B>::from_host(host, device);
+        evaluate(&mut &model, tok, stop, examples, args.max_new_tokens, args.batch_size, progress)
+    }
 }
 
 /// Run the command.
