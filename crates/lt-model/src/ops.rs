@@ -14,11 +14,27 @@ use burn::tensor::{Bool, Tensor, TensorData};
 pub fn linear<B: Backend>(x: Tensor<B, 3>, w: &Tensor<B, 2>, b: Option<&Tensor<B, 1>>) -> Tensor<B, 3> {
     let [bs, t, i] = x.dims();
     let o = w.dims()[0];
-    let y = x.reshape([bs * t, i]).matmul(w.clone().transpose()).reshape([bs, t, o]);
+    let rows = bs * t;
+    let y = if copies_transposed_operands::<B>() && rows.saturating_mul(i + o) < o.saturating_mul(i) {
+        // burn-ndarray copies a transposed right operand into row-major order before every product:
+        // the whole weight (a 152K-token head is 117M floats at 768 wide, per decoding step). With
+        // fewer rows than that, `(w @ x^T)^T` copies only `x` and the output instead. Each output is
+        // the same dot product, accumulated in the same order: the same bits
+        // (`both_forms_of_linear_give_the_same_bits`).
+        w.clone().matmul(x.reshape([rows, i]).transpose()).transpose().reshape([bs, t, o])
+    } else {
+        x.reshape([rows, i]).matmul(w.clone().transpose()).reshape([bs, t, o])
+    };
     match b {
         Some(b) => y + b.clone().reshape([1, 1, o]),
         None => y,
     }
+}
+
+/// Whether `B` is the CPU backend, whose matmul copies a transposed right operand (device backends
+/// read it through its strides, and the autodiff wrapper keeps the graph's form).
+fn copies_transposed_operands<B: Backend>() -> bool {
+    std::any::TypeId::of::<B>() == std::any::TypeId::of::<crate::CpuBackend>()
 }
 
 /// RMSNorm over the last dimension. The scale is `w`, or `1 + w` when `zero_centered` (Qwen3.5).
@@ -280,4 +296,27 @@ pub fn gated_rms_norm<B: Backend, const D: usize>(
 /// `sigmoid`, re-exported for the layer code.
 pub fn gate<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
     sigmoid(x)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::CpuBackend;
+
+    /// On the CPU backend `linear` multiplies few rows as `(w @ x^T)^T`: the same values as
+    /// `x @ w^T`, bit for bit (each output is the same dot product in the same order), for shapes
+    /// on both sides of the switch and inner sizes past one k-block.
+    #[test]
+    fn both_forms_of_linear_give_the_same_bits() {
+        let device = Default::default();
+        for (rows, i, o) in [(1, 64, 300), (3, 700, 129), (40, 32, 48), (7, 1030, 2000)] {
+            let val = |n: usize, s: f32| (0..n).map(|k| ((k as f32 * s).sin() * 3.0).fract()).collect::<Vec<f32>>();
+            let x = Tensor::<CpuBackend, 3>::from_data(TensorData::new(val(rows * i, 0.37), [1, rows, i]), &device);
+            let w = Tensor::<CpuBackend, 2>::from_data(TensorData::new(val(o * i, 0.11), [o, i]), &device);
+            let plain = x.clone().reshape([rows, i]).matmul(w.clone().transpose()).reshape([1, rows, o]);
+            let got = linear(x, &w, None);
+            let (a, b) = (got.into_data().to_vec::<f32>().unwrap(), plain.into_data().to_vec::<f32>().unwrap());
+            assert!(a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()), "rows {rows}, in {i}, out {o}");
+        }
+    }
 }
