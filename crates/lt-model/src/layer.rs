@@ -263,19 +263,24 @@ fn delta_net_forward<B: Backend>(
     // has nothing to batch, while a chunk would pad it to 64 tokens. Longer inputs (training,
     // recompute, logits, a cached prefill continuing from `init`) use the context's form.
     let form = if t == 1 { DeltaForm::Recurrent } else { ctx.delta_form };
-    let (o, state) = form.run(
-        q.swap_dims(1, 2),
-        k.swap_dims(1, 2),
-        v.swap_dims(1, 2),
-        g.swap_dims(1, 2),
-        beta.swap_dims(1, 2),
-        packing.map(|p| &p.keep),
-        init,
-    ); // [B,Hv,T,dv]
+    // Token-major to head-major. With one token that is a reshape, and done as one: on burn-wgpu the
+    // swapped view of a one-token step with more than one row (a size-1 dimension with a large
+    // stride) made the recurrent update wrong, so batched decoding of hybrid models diverged from the
+    // CPU after the first token (`crates/lt-model/tests/device_wgpu.rs`). The same values either way.
+    let heads4 = |x: Tensor<B, 4>| {
+        let [b, t, h, d] = x.dims();
+        if t == 1 { x.reshape([b, h, 1, d]) } else { x.swap_dims(1, 2) }
+    };
+    let heads3 = |x: Tensor<B, 3>| {
+        let [b, t, h] = x.dims();
+        if t == 1 { x.reshape([b, h, 1]) } else { x.swap_dims(1, 2) }
+    };
+    let (o, state) = form.run(heads4(q), heads4(k), heads4(v), heads3(g), heads3(beta), packing.map(|p| &p.keep), init); // [B,Hv,T,dv]
     if let Some(c) = cache {
         c.state = Some(state);
     }
-    let o = ops::gated_rms_norm(o.swap_dims(1, 2), z, &l.norm, cfg.rms_norm_eps);
+    let o = if t == 1 { o.reshape([b, 1, hv, dv]) } else { o.swap_dims(1, 2) };
+    let o = ops::gated_rms_norm(o, z, &l.norm, cfg.rms_norm_eps);
     ops::linear(o.reshape([b, t, hv * dv]), &l.out_proj, None)
 }
 

@@ -61,19 +61,22 @@ fn wgpu_logits_loss_and_gradients_match_transformers() {
     }
 }
 
-/// Greedy generation streamed onto wgpu (decoding caches on the device, every layer uploaded once
-/// per decoding step) gives the CPU's whole-model tokens, and so does the whole model bound on wgpu,
-/// on a dense fixture. (The hybrid's recurrent delta rule decodes differently on wgpu than on the
-/// CPU, streamed or not: an open device-path bug, docs/benchmarks.md, session 31.)
+/// Greedy generation on wgpu, whole and streamed from host memory (decoding caches on the device,
+/// every layer uploaded once per decoding step), gives the CPU's whole-model tokens: a dense fixture
+/// and the hybrid (attention caches, the delta rule's recurrent state and conv window). Three rows of
+/// different lengths, left-padded. This caught batched one-token delta-rule steps going wrong on
+/// wgpu (session 31, `delta_net_forward`).
 #[test]
 fn wgpu_streamed_generation_follows_the_cpu() {
     let device = lt_model::device::wgpu_device().unwrap_or_else(|e| panic!("{e}"));
-    let host = HostModel::load(&fixture("qwen3-hd16-gqa")).unwrap();
-    let prompts = vec![vec![5u32, 17, 3, 88, 41, 9, 60], vec![12, 70], vec![33, 2, 19, 4]];
-    let cpu = DeviceModel::<lt_model::CpuBackend>::from_host(&host, &Default::default());
-    let want = generate_greedy(&cpu, &prompts, 6, &[]);
-    let whole = DeviceModel::<WgpuBackend>::from_host(&host, &device);
-    assert_eq!(generate_greedy(&whole, &prompts, 6, &[]), want, "whole model on wgpu");
-    let mut streamed = Streamed::<WgpuBackend, HostModel>::new(&host, &device);
-    assert_eq!(generate_greedy_with(&mut streamed, &prompts, 6, &[]), want, "streamed onto wgpu");
+    for name in ["qwen3-hd16-gqa", "qwen35-hybrid"] {
+        let host = HostModel::load(&fixture(name)).unwrap();
+        let prompts = vec![vec![5u32, 17, 3, 88, 41, 9, 60], vec![12, 70], vec![33, 2, 19, 4]];
+        let cpu = DeviceModel::<lt_model::CpuBackend>::from_host(&host, &Default::default());
+        let want = generate_greedy(&cpu, &prompts, 6, &[]);
+        let whole = DeviceModel::<WgpuBackend>::from_host(&host, &device);
+        assert_eq!(generate_greedy(&whole, &prompts, 6, &[]), want, "{name}: whole model on wgpu");
+        let mut streamed = Streamed::<WgpuBackend, HostModel>::new(&host, &device);
+        assert_eq!(generate_greedy_with(&mut streamed, &prompts, 6, &[]), want, "{name}: streamed onto wgpu");
+    }
 }
