@@ -50,8 +50,8 @@ pub struct EvalArgs {
     /// Print one JSON object as the last line.
     #[arg(long)]
     pub json: bool,
-    /// Where to generate: the CPU, or the GPU (the whole model is uploaded in the compute dtype, so it must
-    /// fit in GPU memory; a binary built with `--features cuda`).
+    /// Where to generate: the CPU, or the GPU (a binary built with `--features cuda`; the whole model is
+    /// uploaded in the compute dtype, so it must fit in GPU memory, unless --stream).
     #[arg(long, value_enum, default_value_t = DeviceChoice::Cpu)]
     pub device: DeviceChoice,
     /// Keep the model in host memory and stream its decoder layers to the device one at a time, as
