@@ -146,7 +146,8 @@ med = {k: statistics.median(x["gparams_per_s"] for x in v) for k, v in groups.it
 base_key = ("torch-fused", "f32", "none")
 base = med.get(base_key)
 kernel = next((x.get("kernel") for x in rows if x.get("kernel") and x["optimizer"] == "adamw8bit"), "n/a")
-print(f"lt 8-bit kernel: {kernel}")
+stores = next((x.get("copy_stores") for x in rows if x.get("copy_stores") and x["optimizer"] == "adamw8bit"), "n/a")
+print(f"lt 8-bit kernel: {kernel}, the copy's stores: {stores}")
 bus_key = ("mem-scale", "none", "none")
 bus = med[bus_key] * groups[bus_key][0]["bytes_per_param"] if bus_key in med else None
 print(f"{'optimizer':<15} {'grads':<5} {'copy':<5} {'runs':>4} {'Gparam/s':>9} {'min..max':>13} {'x torch fused':>13} "

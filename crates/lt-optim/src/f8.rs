@@ -55,7 +55,7 @@ use half::bf16;
 use crate::config::MAX_BLOCK;
 use crate::copy::bf16_rne;
 use crate::grad::{Grad, GradElem};
-use crate::kernels::{COPY_HW, COPY_INT, Coeffs, KernelPath, NO_COPY, Q8Task, copy_mode, q8_tasks};
+use crate::kernels::{COPY_HW, COPY_INT, COPY_STREAM, Coeffs, KernelPath, NO_COPY, Q8Task, copy_mode, q8_tasks};
 use crate::pool::ThreadPool;
 use crate::qmap::block_absmax;
 use crate::simd::SimdLevel;
@@ -292,16 +292,18 @@ fn run<G: GradElem>(p: &mut [f32], cp: &mut [bf16], g: &[G], s: F8Slices<'_>, c:
     match F8Kernel::select(path, s.block) {
         #[cfg(target_arch = "x86_64")]
         F8Kernel::Avx512 => {
-            let kernel = match copy_mode(path, !cp.is_empty()) {
+            let kernel = match copy_mode(path, cp) {
                 NO_COPY => x86::blocks_avx512::<G, NO_COPY>,
                 COPY_INT => x86::blocks_avx512::<G, COPY_INT>,
+                COPY_STREAM => x86::blocks_avx512::<G, COPY_STREAM>,
                 _ => x86::blocks_avx512::<G, COPY_HW>,
             };
             // SAFETY: `select` picks this kernel only where `path.level` (from `simd_level`) is
             // AVX-512, which it reports only when the CPU has AVX-512F/BW/DQ (and so FMA, which
             // every AVX-512 CPU has), and for a block size that is a multiple of 32 (at most
-            // MAX_BLOCK: `Quant8Config::validate`); `KernelPath::detect` sets `bf16_hw` (COPY_HW)
-            // only with AVX512-BF16.
+            // MAX_BLOCK: `Quant8Config::validate`); `KernelPath::detect` sets `bf16_hw` (COPY_HW,
+            // COPY_STREAM) only with AVX512-BF16, and `copy_mode` picks COPY_STREAM only for a
+            // 64-byte-aligned copy.
             unsafe { kernel(p, cp, g, s, c) }
         }
         #[cfg(target_arch = "x86_64")]
@@ -320,7 +322,7 @@ mod x86 {
     use half::bf16;
 
     use super::*;
-    use crate::kernels::x86::{PREFETCH_AHEAD, Scratch, prefetch64, store_bf16x8, store_bf16x32};
+    use crate::kernels::x86::{PREFETCH_AHEAD, Scratch, prefetch64, store_bf16x8, store_bf16x32, stream_bf16x32};
 
     /// A block's `v` rounding addends in the SIMD kernels' form: `v_dither(j, step) - V_FLOOR`
     /// (wrapping), so that one add of a value raised to `V_FLOOR` both dithers and takes the base
@@ -344,9 +346,9 @@ mod x86 {
     /// short last block, if any, with the portable body.
     ///
     /// # Safety
-    /// The CPU must support AVX-512F/BW/DQ and FMA, and AVX512-BF16 for `COPY == COPY_HW`;
-    /// `s.block` must be a multiple of 32 and at most `MAX_BLOCK`; `cp` empty or as long as `p`,
-    /// and the state as long as `p` needs.
+    /// The CPU must support AVX-512F/BW/DQ and FMA, and AVX512-BF16 for `COPY_HW` and
+    /// `COPY_STREAM`; `s.block` must be a multiple of 32 and at most `MAX_BLOCK`; `cp` empty or as
+    /// long as `p` (and 64-byte aligned for `COPY_STREAM`), and the state as long as `p` needs.
     #[target_feature(enable = "avx512f,avx512bw,avx512dq,fma")]
     pub(super) unsafe fn blocks_avx512<G: GradElem, const COPY: u8>(
         p: &mut [f32],
@@ -422,7 +424,10 @@ mod x86 {
                         mx = _mm512_range_ps::<0b1011>(mx, m1);
                         vx = _mm512_max_ps(vx, v1);
                     }
-                    if COPY != NO_COPY {
+                    if COPY == COPY_STREAM {
+                        // 64-byte aligned: the copy is (`copy_mode`), and lo + i is a multiple of 32.
+                        stream_bf16x32(cp.as_mut_ptr().add(lo + i), pn[0], pn[1]);
+                    } else if COPY != NO_COPY {
                         store_bf16x32::<COPY>(cp.as_mut_ptr().add(lo + i), pn[0], pn[1]);
                     }
                     i += 32;
@@ -451,6 +456,10 @@ mod x86 {
                     i += 16;
                 }
             }
+        }
+        if COPY == COPY_STREAM {
+            // Streaming stores are weakly ordered: make the copy visible before returning.
+            _mm_sfence();
         }
         blocks(p, cp, g, s, c, full)
     }
@@ -801,7 +810,8 @@ mod tests {
         [f(&s.0), c(&s.1), c(&s.2), f(&s.3), f(&s.4)].concat()
     }
 
-    /// Every kernel this CPU runs (the AVX-512 one, with each bf16 conversion, and the portable
+    /// Every kernel this CPU runs (the AVX-512 one, with each bf16 conversion and with the copy's
+    /// streaming stores, and the portable
     /// body compiled for AVX2 and for no SIMD) gives the bits of the composition above, step after
     /// step, for bf16 and f32 gradients, with and without the bf16 copy, for blocks the AVX-512
     /// kernel takes (256, 64) and one it leaves to the portable body (48), and a short last block;
@@ -817,6 +827,7 @@ mod tests {
             paths.push(KernelPath::plain(SimdLevel::Avx512));
             if crate::simd::has_avx512bf16() {
                 paths.push(KernelPath { bf16_hw: true, ..KernelPath::plain(SimdLevel::Avx512) });
+                paths.push(KernelPath { bf16_hw: true, stream_copy: true, ..KernelPath::plain(SimdLevel::Avx512) });
             }
         }
         let mut rng = SplitMix64::new(13);

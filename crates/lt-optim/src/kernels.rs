@@ -341,6 +341,9 @@ pub(crate) struct KernelPath {
     /// finders of `crate::affine`, held in registers, for maps that have them, or gathers from the
     /// bucket table).
     pub quant: Q8Quant,
+    /// AVX-512 with AVX512-BF16: the 8-bit kernels write a 64-byte-aligned bf16 copy with
+    /// streaming stores (`crate::simd::stream_copy`).
+    pub stream_copy: bool,
 }
 
 impl KernelPath {
@@ -356,6 +359,7 @@ impl KernelPath {
             bf16_hw: avx512 && crate::simd::has_avx512bf16(),
             loads: level == SimdLevel::Avx2 && crate::simd::q8_avx2_loads(),
             quant: if avx512 { crate::simd::q8_quant() } else { Q8Quant::Table },
+            stream_copy: avx512 && crate::simd::has_avx512bf16() && crate::simd::stream_copy(),
         }
     }
 
@@ -369,6 +373,7 @@ impl KernelPath {
             bf16_hw: false,
             loads: false,
             quant: Q8Quant::Table,
+            stream_copy: false,
         }
     }
 }
@@ -380,6 +385,9 @@ pub(crate) const NO_COPY: u8 = 0;
 pub(crate) const COPY_INT: u8 = 1;
 /// `vcvtneps2bf16` (AVX512-BF16), with the integer rounding for blocks of 16 holding a subnormal.
 pub(crate) const COPY_HW: u8 = 2;
+/// `COPY_HW`'s bits written 64 bytes at a time with streaming stores, for a 64-byte-aligned copy
+/// (`crate::simd::stream_copy`); kernels without a streaming form take it as `COPY_HW`.
+pub(crate) const COPY_STREAM: u8 = 3;
 
 /// How the VBMI kernel finds new codes (a const parameter): gathers from the bucket tables, the
 /// exact affine code finders, or the rounding forms with the exact finders as their fallback.
@@ -393,11 +401,12 @@ pub(crate) const DEQ_PERMUTE: u8 = 0;
 pub(crate) const DEQ_GATHER: u8 = 1;
 
 /// The copy mode of a path for an optional copy.
-pub(crate) fn copy_mode(path: KernelPath, copy: bool) -> u8 {
-    match (copy, path.bf16_hw) {
-        (false, _) => NO_COPY,
-        (true, false) => COPY_INT,
-        (true, true) => COPY_HW,
+pub(crate) fn copy_mode(path: KernelPath, cp: &[bf16]) -> u8 {
+    match (cp.is_empty(), path.bf16_hw) {
+        (true, _) => NO_COPY,
+        (false, false) => COPY_INT,
+        (false, true) if path.stream_copy && (cp.as_ptr() as usize).is_multiple_of(64) => COPY_STREAM,
+        (false, true) => COPY_HW,
     }
 }
 
@@ -668,7 +677,7 @@ pub(crate) struct Q8Slices<'a> {
 /// Updates a run of consecutive blocks (the last may be short) on the calling thread; `cp` is
 /// empty (no copy) or as long as `p`.
 fn q8_run<G: GradElem>(p: &mut [f32], cp: &mut [bf16], g: &[G], mut s: Q8Slices<'_>, c: &Coeffs, path: KernelPath) {
-    let copy = copy_mode(path, !cp.is_empty());
+    let copy = copy_mode(path, cp);
     match path.level {
         #[cfg(target_arch = "x86_64")]
         SimdLevel::Avx512 => {
@@ -761,6 +770,7 @@ fn vbmi_kernel<G: GradElem, const DEQ: u8>(quant: u8, copy: u8) -> Kernel<G> {
         (QUANT_AFFINE, _) => x86::q8_blocks_avx512_vbmi::<G, COPY_HW, QUANT_AFFINE, DEQ>,
         (_, NO_COPY) => x86::q8_blocks_avx512_vbmi::<G, NO_COPY, QUANT_ROUNDED, DEQ>,
         (_, COPY_INT) => x86::q8_blocks_avx512_vbmi::<G, COPY_INT, QUANT_ROUNDED, DEQ>,
+        (_, COPY_STREAM) => x86::q8_blocks_avx512_vbmi::<G, COPY_STREAM, QUANT_ROUNDED, DEQ>,
         (_, _) => x86::q8_blocks_avx512_vbmi::<G, COPY_HW, QUANT_ROUNDED, DEQ>,
     }
 }
@@ -852,7 +862,8 @@ pub(crate) mod x86 {
     use half::bf16;
 
     use super::{
-        COPY_HW, Coeffs, DEQ_PERMUTE, NO_COPY, Q8Slices, QUANT_ROUNDED, QUANT_TABLE, fp32_generic, q8_scalar_blocks,
+        COPY_HW, COPY_STREAM, Coeffs, DEQ_PERMUTE, NO_COPY, Q8Slices, QUANT_ROUNDED, QUANT_TABLE, fp32_generic,
+        q8_scalar_blocks,
     };
     use crate::affine::{AFFINE_LO_BITS, AffineCodes, Rounded};
     use crate::config::MAX_BLOCK;
@@ -970,15 +981,42 @@ pub(crate) mod x86 {
         unsafe { _mm256_storeu_si256(dst as *mut __m256i, bits) }
     }
 
-    /// Stores the bf16 copy of 32 lanes (`lo`, then `hi`) at `dst`, as two `store_bf16x16` would:
-    /// for `MODE == COPY_HW` with one `vcvtne2ps2bf16` (32 lanes for the cost of the 16-lane form
-    /// on AMD Zen 4) unless a lane is subnormal.
+    /// Stores the bf16 copy of 32 lanes (`lo`, then `hi`) at `dst`, the bits two `store_bf16x16`
+    /// would store (`bf16x32`).
     ///
     /// # Safety
     /// `dst` must be valid for writing 32 elements; for `COPY_HW` the CPU must have AVX512-BF16.
     #[inline]
     #[target_feature(enable = "avx512f,avx512dq")]
     pub(crate) unsafe fn store_bf16x32<const MODE: u8>(dst: *mut bf16, lo: __m512, hi: __m512) {
+        // SAFETY: the caller guarantees AVX512-BF16 for COPY_HW and 32 writable elements (64 bytes).
+        unsafe { _mm512_storeu_si512(dst as *mut __m512i, bf16x32::<MODE>(lo, hi)) }
+    }
+
+    /// Stores the bf16 copy of 32 lanes (`lo`, then `hi`) at `dst` with one streaming
+    /// (non-temporal) store: `store_bf16x32::<COPY_HW>`'s bits, without reading the line first.
+    /// The kernel that uses it ends with `_mm_sfence`, so that the stores are visible before the
+    /// update returns to its caller (who hands the copy to other threads).
+    ///
+    /// # Safety
+    /// `dst` must be 64-byte aligned and valid for writing 32 elements; the CPU must have
+    /// AVX512-BF16.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512dq")]
+    pub(crate) unsafe fn stream_bf16x32(dst: *mut bf16, lo: __m512, hi: __m512) {
+        // SAFETY: the caller's.
+        unsafe { _mm512_stream_si512(dst as *mut __m512i, bf16x32::<COPY_HW>(lo, hi)) }
+    }
+
+    /// The bf16 bits of 32 lanes, `lo` in the lower half: one `vcvtne2ps2bf16` for `MODE ==
+    /// COPY_HW` (32 lanes for the cost of the 16-lane form on AMD Zen 4) unless a lane is
+    /// subnormal, else `bf16x16_int` per half (the same bits as `half`, for every input).
+    ///
+    /// # Safety
+    /// For `COPY_HW` the CPU must have AVX512-BF16.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512dq")]
+    unsafe fn bf16x32<const MODE: u8>(lo: __m512, hi: __m512) -> __m512i {
         if MODE == COPY_HW && _mm512_fpclass_ps_mask::<0x20>(lo) | _mm512_fpclass_ps_mask::<0x20>(hi) == 0 {
             let r: __m512i;
             // SAFETY: the caller guarantees AVX512-BF16; the instruction only reads and writes
@@ -986,14 +1024,9 @@ pub(crate) mod x86 {
             unsafe {
                 std::arch::asm!("vcvtne2ps2bf16 {r}, {hi}, {lo}", hi = in(zmm_reg) hi, lo = in(zmm_reg) lo, r = out(zmm_reg) r, options(pure, nomem, nostack))
             };
-            // SAFETY: the caller guarantees 32 writable elements (64 bytes).
-            unsafe { _mm512_storeu_si512(dst as *mut __m512i, r) }
+            r
         } else {
-            // SAFETY: the caller's.
-            unsafe {
-                store_bf16x16::<MODE>(dst, lo);
-                store_bf16x16::<MODE>(dst.add(16), hi);
-            }
+            _mm512_inserti64x4::<1>(_mm512_castsi256_si512(bf16x16_int(lo)), bf16x16_int(hi))
         }
     }
 
@@ -1448,7 +1481,8 @@ pub(crate) mod x86 {
     /// pipelined iteration was too long for the out-of-order window to overlap its two halves.
     ///
     /// # Safety
-    /// As `q8_blocks_avx512`, plus AVX-512 VBMI, and `block` a multiple of 64.
+    /// As `q8_blocks_avx512`, plus AVX-512 VBMI, and `block` a multiple of 64; for `COPY_STREAM`,
+    /// AVX512-BF16 and `cp` 64-byte aligned.
     #[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vbmi")]
     #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn q8_blocks_avx512_vbmi<G: GradElem, const COPY: u8, const QUANT: u8, const DEQ: u8>(
@@ -1509,7 +1543,8 @@ pub(crate) mod x86 {
                 // j + 64 <= block.
                 unsafe {
                     prefetch64(base + j + PREFETCH_AHEAD, pp, gp, qmp, qvp);
-                    if COPY != NO_COPY {
+                    // A streamed copy is never read, so its lines need no prefetch for writing.
+                    if COPY != NO_COPY && COPY != COPY_STREAM {
                         prefetch_copy64(base + j + PREFETCH_AHEAD, cpp);
                     }
                     // With permutes, all 64 old values of each moment at once; with gathers, 16 at
@@ -1529,6 +1564,8 @@ pub(crate) mod x86 {
                     } else {
                         ([_mm512_setzero_ps(); 4], [_mm512_setzero_ps(); 4])
                     };
+                    // The updated weights, for the streamed copy (64 bytes per store).
+                    let mut pns = [_mm512_setzero_ps(); 4];
                     for s in 0..4 {
                         let o = base + j + 16 * s;
                         let (cms, cvs) = if DEQ == DEQ_PERMUTE {
@@ -1543,7 +1580,9 @@ pub(crate) mod x86 {
                         let upd = _mm512_div_ps(_mm512_mul_ps(m1, neg_step), denom);
                         let pn = _mm512_fmadd_ps(_mm512_loadu_ps(pp.add(o)), decay, upd);
                         _mm512_storeu_ps(pp.add(o), pn);
-                        if COPY != NO_COPY {
+                        if COPY == COPY_STREAM {
+                            pns[s] = pn;
+                        } else if COPY != NO_COPY {
                             store_bf16x16::<COPY>(cpp.add(o), pn);
                         }
                         _mm512_storeu_ps(tm.add(j + 16 * s), m1);
@@ -1555,6 +1594,11 @@ pub(crate) mod x86 {
                         // v is never negative (all three terms are >= +0), so its bits need no mask: a
                         // set sign bit (a default NaN) also lands above infinity and takes the exact path.
                         maxv = _mm512_max_epu32(maxv, _mm512_castps_si512(v1));
+                    }
+                    if COPY == COPY_STREAM {
+                        // The caller's copy is 64-byte aligned (`copy_mode`) and j a multiple of 64.
+                        stream_bf16x32(cpp.add(base + j), pns[0], pns[1]);
+                        stream_bf16x32(cpp.add(base + j + 32), pns[2], pns[3]);
                     }
                 }
             }
@@ -1590,6 +1634,10 @@ pub(crate) mod x86 {
                     um.quantize_block_with(tvb, a_v, &mut qv[base..base + block]);
                 }
             }
+        }
+        if COPY == COPY_STREAM {
+            // Streaming stores are weakly ordered: make the copy visible before returning.
+            _mm_sfence();
         }
     }
 
@@ -2368,7 +2416,8 @@ mod tests {
 
     /// The SIMD paths this CPU can run: AVX-512 with the plain gather kernel and with the VBMI
     /// kernel (each dequantization with each code finder), each with integer and with
-    /// `vcvtneps2bf16` bf16 rounding (AVX512-BF16), and AVX2.
+    /// `vcvtneps2bf16` bf16 rounding (AVX512-BF16; the rounding forms also with the copy's
+    /// streaming stores), and AVX2.
     fn paths() -> Vec<KernelPath> {
         let mut v = Vec::new();
         if simd_level() >= SimdLevel::Avx512 {
@@ -2381,6 +2430,10 @@ mod tests {
                 for dequant in [Q8Dequant::Permute, Q8Dequant::Gather] {
                     for quant in [Q8Quant::Table, Q8Quant::Affine, Q8Quant::Rounded] {
                         v.push(KernelPath { vbmi: true, dequant, quant, ..plain });
+                    }
+                    if bf16_hw {
+                        let quant = Q8Quant::Rounded;
+                        v.push(KernelPath { vbmi: true, dequant, quant, stream_copy: true, ..plain });
                     }
                 }
             }
@@ -2423,9 +2476,9 @@ mod tests {
     /// Parameters, m codes, v codes, m absmax, v absmax.
     type Q8State = (Vec<f32>, Vec<u8>, Vec<u8>, Vec<f32>, Vec<f32>);
 
-    /// Runs `update_q8` on `path` on copies of the given state, once without and once with the
-    /// bf16 copy; asserts that the copy changes nothing else and equals `half::bf16::from_f32` of
-    /// the updated parameters bit for bit.
+    /// Runs `update_q8` on `path` on copies of the given state, once without and twice with the
+    /// bf16 copy (64-byte aligned, where a path may stream it, and not); asserts that the copy
+    /// changes nothing else and equals `half::bf16::from_f32` of the updated parameters bit for bit.
     fn run_q8(
         path: KernelPath,
         block: usize,
@@ -2439,14 +2492,33 @@ mod tests {
         let s = Q8Slices { qm: &mut qm, qv: &mut qv, am: &mut am, av: &mut av, block, maps };
         update_q8(&mut p, grad, s, None, c, pool, path);
         let plain = (p, qm, qv, am, av);
-        let (mut p, mut qm, mut qv, mut am, mut av) = state.clone();
-        let mut cp = vec![bf16::from_bits(0x5555); p.len()];
-        let s = Q8Slices { qm: &mut qm, qv: &mut qv, am: &mut am, av: &mut av, block, maps };
-        update_q8(&mut p, grad, s, Some(&mut cp), c, pool, path);
-        let copied = (p, qm, qv, am, av);
-        assert_same(&copied, &plain, &format!("{path:?} with the bf16 copy"));
-        assert_copy(&copied.0, &cp, &format!("{path:?}"));
+        let mut buf = vec![bf16::from_bits(0x5555); plain.0.len() + 33];
+        let aligned = buf.as_ptr().align_offset(64);
+        for off in [aligned, aligned + 1] {
+            let (mut p, mut qm, mut qv, mut am, mut av) = state.clone();
+            let cp = &mut buf[off..off + p.len()];
+            let s = Q8Slices { qm: &mut qm, qv: &mut qv, am: &mut am, av: &mut av, block, maps };
+            update_q8(&mut p, grad, s, Some(&mut *cp), c, pool, path);
+            let copied = (p, qm, qv, am, av);
+            assert_same(&copied, &plain, &format!("{path:?} with the bf16 copy at offset {off}"));
+            assert_copy(&copied.0, cp, &format!("{path:?}, offset {off}"));
+        }
         plain
+    }
+
+    /// A path that streams the copy does so only where the copy is 64-byte aligned (the kernels
+    /// store whole lines from there), and never without AVX512-BF16's conversion.
+    #[test]
+    fn the_copy_is_streamed_only_when_aligned() {
+        let stream = KernelPath { bf16_hw: true, stream_copy: true, ..KernelPath::plain(SimdLevel::Avx512) };
+        let buf = vec![bf16::ZERO; 256];
+        let at = buf.as_ptr().align_offset(64);
+        assert_eq!(copy_mode(stream, &buf[at..at + 64]), COPY_STREAM);
+        assert_eq!(copy_mode(stream, &buf[at + 8..at + 72]), COPY_HW);
+        assert_eq!(copy_mode(stream, &[]), NO_COPY);
+        assert_eq!(copy_mode(KernelPath { stream_copy: false, ..stream }, &buf[at..at + 64]), COPY_HW);
+        let int = KernelPath { bf16_hw: false, ..stream };
+        assert_eq!(copy_mode(int, &buf[at..at + 64]), COPY_INT);
     }
 
     /// Asserts `cp[i] == bf16::from_f32(p[i])` bit for bit.

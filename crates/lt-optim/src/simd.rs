@@ -119,6 +119,32 @@ pub(crate) fn q8_avx2_loads() -> bool {
     *LOADS.get_or_init(|| amd_unless_env("LT_OPTIM_Q8_LOOKUP", "gather", "loads"))
 }
 
+/// Whether the AVX-512 8-bit kernels write the bf16 copy with streaming (non-temporal) 64-byte
+/// stores, where the copy is 64-byte aligned (the trainer's large copies start on a page: see
+/// `lt_model::upload::CopyBuf`). Both give the same bits. A streaming store skips the read for
+/// ownership of the copy's lines; nothing on the host reads the copy before the next upload's DMA,
+/// which reads memory anyway. Measured per microarchitecture (docs/benchmarks.md, session 32): on
+/// AMD Zen 5 (family 26), `lt bench optimizer` at 64M parameters on 2 threads, bf16 gradients with
+/// the copy, 12 alternations, medians 19.25 against 20.47 ms per step for the dynamic maps (faster
+/// in 12 of 12) and 18.50 against 20.23 for the f8 codes (10 of 12); on Zen 4 (family 25)
+/// streaming stores were slower (sessions 26 and 27: 27.9-29.4 against 20.8-22.7 ms). So:
+/// streaming on AMD family 26 and later, cached elsewhere; `LT_OPTIM_COPY_STORES=stream` or
+/// `=cached` overrides the choice. Read once per process.
+pub(crate) fn stream_copy() -> bool {
+    static STREAM: OnceLock<bool> = OnceLock::new();
+    *STREAM.get_or_init(|| {
+        let zen5_or_later = cpu_vendor() == *b"AuthenticAMD" && cpu_family() >= 0x1a;
+        named_or(std::env::var("LT_OPTIM_COPY_STORES").ok().as_deref(), "cached", "stream", zen5_or_later)
+    })
+}
+
+/// How the 8-bit kernels store a 64-byte-aligned bf16 copy in this process, for benchmark reports:
+/// `streaming` ([`KernelPath`](crate::kernels::KernelPath)'s rule: AVX-512 with AVX512-BF16 and
+/// `stream_copy`) or `cached`.
+pub fn copy_stores_name() -> &'static str {
+    if crate::kernels::KernelPath::detect().stream_copy { "streaming" } else { "cached" }
+}
+
 /// A kernel variant chosen by CPU vendor unless the environment names one: `var=off` gives false,
 /// `var=on` true, and anything else (or nothing) whether the CPU is AMD's.
 fn amd_unless_env(var: &str, off: &str, on: &str) -> bool {
@@ -173,6 +199,23 @@ fn cpu_vendor() -> [u8; 12] {
     #[cfg(not(target_arch = "x86_64"))]
     {
         [0; 12]
+    }
+}
+
+/// The CPU's display family (CPUID leaf 1: the base family, plus the extended family when the base
+/// is 15): 25 for AMD Zen 3 and Zen 4, 26 for Zen 5; 0 off x86-64.
+fn cpu_family() -> u32 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: CPUID leaf 1 exists on every x86-64 CPU.
+        #[allow(unused_unsafe)]
+        let eax = unsafe { std::arch::x86_64::__cpuid(1) }.eax;
+        let base = (eax >> 8) & 0xf;
+        if base == 0xf { base + ((eax >> 20) & 0xff) } else { base }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        0
     }
 }
 

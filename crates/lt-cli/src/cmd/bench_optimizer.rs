@@ -32,10 +32,11 @@ use std::time::Instant;
 use anyhow::{Context, bail};
 use clap::ValueEnum;
 use lt_core::HostCpu;
-use lt_core::hostmem::{huge_collect, huge_vec};
+use lt_core::hostmem::huge_collect;
+use lt_model::upload::CopyBuf;
 use lt_optim::{
-    AdamW, AdamWConfig, Grad, OptimizerKind, Q8Codes, Quant8Config, StepOutcome, ThreadPool, bf16, fill_bf16,
-    q8_kernel_name_for, simd_level,
+    AdamW, AdamWConfig, Grad, OptimizerKind, Q8Codes, Quant8Config, StepOutcome, ThreadPool, bf16, copy_stores_name,
+    fill_bf16, q8_kernel_name_for, simd_level,
 };
 
 /// Which optimizer to benchmark.
@@ -221,13 +222,16 @@ pub fn run(args: &BenchOptimizerArgs) -> anyhow::Result<()> {
         }
     };
     let norm = lt_optim::grad::sum_squares(grad, &pool).sqrt();
-    let mut copy: Vec<bf16> = Vec::new();
+    // The copy as the trainer allocates its upload copies (`CopyBuf`: on whole pages of its own, so
+    // 64-byte aligned, where the 8-bit kernels may stream it).
+    let mut copy_buf = CopyBuf::zeroed(0);
     if args.write_copy == WriteCopy::Bf16 {
-        copy = huge_vec(n, bf16::ZERO);
-        fill_bf16(&params, &mut copy, &pool).context("filling the bf16 copy")?;
+        copy_buf = CopyBuf::zeroed(n);
+        fill_bf16(&params, copy_buf.as_mut_slice(), &pool).context("filling the bf16 copy")?;
     }
+    let copy = copy_buf.as_mut_slice();
 
-    let times = time_steps(args, &mut opt, &mut params, &mut copy, grad, norm, &pool, baton.as_mut())?;
+    let times = time_steps(args, &mut opt, &mut params, copy, grad, norm, &pool, baton.as_mut())?;
     if !params.iter().all(|p| p.is_finite()) {
         bail!("weights became non-finite during the benchmark");
     }
@@ -342,6 +346,8 @@ fn report(args: &BenchOptimizerArgs, kind: OptimizerKind, times: &[f64], state_b
         WriteCopy::None => "none",
         WriteCopy::Bf16 => "bf16",
     };
+    let stores =
+        if args.write_copy == WriteCopy::Bf16 { format!(" ({} stores)", copy_stores_name()) } else { String::new() };
     // The 8-bit kernel family (the fp32 kernels are auto-vectorised at the same SIMD level).
     let kernel = match kind {
         OptimizerKind::AdamW8bit(q) => q8_kernel_name_for(&q),
@@ -351,7 +357,7 @@ fn report(args: &BenchOptimizerArgs, kind: OptimizerKind, times: &[f64], state_b
     let host = HostCpu::detect();
     let turns = if args.turns.is_some() { format!(", in turns of {} steps", args.turn_steps) } else { String::new() };
     let human = format!(
-        "{name}: {n} params, {} threads, {dtype} grads, copy {write_copy}, kernel {kernel}{turns}: median {:.3} \
+        "{name}: {n} params, {} threads, {dtype} grads, copy {write_copy}{stores}, kernel {kernel}{turns}: median {:.3} \
          ms/step (best {:.3}), {gparams:.3} Gparam/s, {:.1} GB/s at {bytes_per_param:.2} B/param, state \
          {state_bytes_per_param:.3} B/param; host {host}",
         args.threads,
@@ -371,6 +377,7 @@ fn report(args: &BenchOptimizerArgs, kind: OptimizerKind, times: &[f64], state_b
             "kernel": kernel,
             "host_cpu": host,
             "write_copy": write_copy,
+            "copy_stores": (args.write_copy == WriteCopy::Bf16).then(copy_stores_name),
             "warmup": args.warmup,
             "steps": args.steps,
             "turn_steps": args.turns.as_ref().map(|_| args.turn_steps),
