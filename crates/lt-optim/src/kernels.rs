@@ -37,7 +37,9 @@
 //!   streaming uploads, see `crate::copy`) from the register it just stored: integer
 //!   round-to-nearest-even, or `vcvtneps2bf16` where the CPU has AVX512-BF16 (it reads subnormal
 //!   inputs as zero, so a group of 16 holding one takes the integer rounding). The copy's lines
-//!   are prefetched for writing, since nothing ever reads them first.
+//!   are prefetched for writing, since nothing ever reads them first; on AMD Zen 5 and later the
+//!   AVX-512 8-bit kernels write a 64-byte-aligned copy with streaming stores instead (no read
+//!   for ownership at all; `COPY_STREAM`, `crate::simd::stream_copy`).
 //!
 //! # Why the 8-bit kernels are slower on Intel cores, measured
 //! Intel Xeon (family 6 model 207, AVX-512 with VBMI and BF16; 2 vCPUs under KVM at about
