@@ -811,11 +811,11 @@ mod tests {
     }
 
     /// Every kernel this CPU runs (the AVX-512 one, with each bf16 conversion and with the copy's
-    /// streaming stores, and the portable
-    /// body compiled for AVX2 and for no SIMD) gives the bits of the composition above, step after
-    /// step, for bf16 and f32 gradients, with and without the bf16 copy, for blocks the AVX-512
-    /// kernel takes (256, 64) and one it leaves to the portable body (48), and a short last block;
-    /// with clipping, zero and tiny gradients, and a subnormal weight for the copy.
+    /// streaming stores, and the portable body compiled for AVX2 and for no SIMD) gives the bits of
+    /// the composition above, step after step, for bf16 and f32 gradients, with and without the
+    /// bf16 copy (aligned and not: `run_path`), for blocks the AVX-512 kernel takes (256, 64) and
+    /// one it leaves to the portable body (48), and a short last block; with clipping, zero and
+    /// tiny gradients, and a subnormal weight for the copy.
     #[test]
     fn every_path_gives_the_composition_bits() {
         let pool = ThreadPool::new(2).unwrap();
