@@ -285,6 +285,11 @@ impl F8Kernel {
             F8Kernel::Scalar => "scalar",
         }
     }
+
+    /// Whether it has a streaming form for `COPY_STREAM` (the AVX-512 kernel).
+    pub(crate) fn streams_copy(self) -> bool {
+        self == F8Kernel::Avx512
+    }
 }
 
 /// A run of blocks on the calling thread with the kernel of `path` (the same bits on each).

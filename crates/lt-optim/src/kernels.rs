@@ -354,14 +354,15 @@ impl KernelPath {
     pub(crate) fn detect() -> KernelPath {
         let level = simd_level();
         let avx512 = level == SimdLevel::Avx512;
+        let bf16_hw = avx512 && crate::simd::has_avx512bf16();
         KernelPath {
             level,
             vbmi: avx512 && crate::simd::has_vbmi(),
             dequant: crate::simd::q8_dequant(),
-            bf16_hw: avx512 && crate::simd::has_avx512bf16(),
+            bf16_hw,
             loads: level == SimdLevel::Avx2 && crate::simd::q8_avx2_loads(),
             quant: if avx512 { crate::simd::q8_quant() } else { Q8Quant::Table },
-            stream_copy: avx512 && crate::simd::has_avx512bf16() && crate::simd::stream_copy(),
+            stream_copy: bf16_hw && crate::simd::stream_copy(),
         }
     }
 
@@ -465,6 +466,12 @@ impl Q8Kernel {
             Q8Kernel::Avx2 { loads: false } => "avx2-gather",
             Q8Kernel::Scalar => "scalar",
         }
+    }
+
+    /// Whether it has a streaming form for `COPY_STREAM` (`vbmi_kernel`: the rounding forms);
+    /// the others take that mode as `COPY_HW`.
+    pub(crate) fn streams_copy(self) -> bool {
+        matches!(self, Q8Kernel::Vbmi { quant: QUANT_ROUNDED, .. })
     }
 }
 

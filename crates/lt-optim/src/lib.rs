@@ -76,4 +76,4 @@ pub use half::bf16;
 pub use optimizer::{AdamW, ParamGroup, StepCtx, StepOutcome, TensorState};
 pub use pool::ThreadPool;
 pub use qmap::QuantMap;
-pub use simd::{SimdLevel, copy_stores_name, q8_kernel_name, q8_kernel_name_for, simd_level};
+pub use simd::{SimdLevel, copy_stores_name_for, q8_kernel_name, q8_kernel_name_for, simd_level};

@@ -138,11 +138,19 @@ pub(crate) fn stream_copy() -> bool {
     })
 }
 
-/// How the 8-bit kernels store a 64-byte-aligned bf16 copy in this process, for benchmark reports:
-/// `streaming` ([`KernelPath`](crate::kernels::KernelPath)'s rule: AVX-512 with AVX512-BF16 and
-/// `stream_copy`) or `cached`.
-pub fn copy_stores_name() -> &'static str {
-    if crate::kernels::KernelPath::detect().stream_copy { "streaming" } else { "cached" }
+/// How the 8-bit update of `config` stores the bf16 copy `copy` in this process, for benchmark
+/// reports: `streaming` where the dispatch streams it (the copy mode `copy_mode` picks for it, and
+/// a kernel with a streaming form), else `cached`.
+pub fn copy_stores_name_for(config: &crate::Quant8Config, copy: &[half::bf16]) -> &'static str {
+    let path = crate::kernels::KernelPath::detect();
+    let kernel_streams = match config.codes {
+        crate::Q8Codes::Dynamic => {
+            crate::kernels::Q8Kernel::select(path, crate::qmap::QuantMaps::default(), config.block_size).streams_copy()
+        }
+        crate::Q8Codes::F8 => crate::f8::F8Kernel::select(path, config.block_size).streams_copy(),
+    };
+    let streams = kernel_streams && crate::kernels::copy_mode(path, copy) == crate::kernels::COPY_STREAM;
+    if streams { "streaming" } else { "cached" }
 }
 
 /// A kernel variant chosen by CPU vendor unless the environment names one: `var=off` gives false,

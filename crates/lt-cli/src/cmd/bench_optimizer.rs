@@ -35,8 +35,8 @@ use lt_core::HostCpu;
 use lt_core::hostmem::huge_collect;
 use lt_model::upload::CopyBuf;
 use lt_optim::{
-    AdamW, AdamWConfig, Grad, OptimizerKind, Q8Codes, Quant8Config, StepOutcome, ThreadPool, bf16, copy_stores_name,
-    fill_bf16, q8_kernel_name_for, simd_level,
+    AdamW, AdamWConfig, Grad, OptimizerKind, Q8Codes, Quant8Config, StepOutcome, ThreadPool, bf16,
+    copy_stores_name_for, fill_bf16, q8_kernel_name_for, simd_level,
 };
 
 /// Which optimizer to benchmark.
@@ -224,12 +224,11 @@ pub fn run(args: &BenchOptimizerArgs) -> anyhow::Result<()> {
     let norm = lt_optim::grad::sum_squares(grad, &pool).sqrt();
     // The copy as the trainer allocates its upload copies (`CopyBuf`: on whole pages of its own, so
     // 64-byte aligned, where the 8-bit kernels may stream it).
-    let mut copy_buf = CopyBuf::zeroed(0);
-    if args.write_copy == WriteCopy::Bf16 {
-        copy_buf = CopyBuf::zeroed(n);
-        fill_bf16(&params, copy_buf.as_mut_slice(), &pool).context("filling the bf16 copy")?;
-    }
+    let mut copy_buf = CopyBuf::zeroed(if args.write_copy == WriteCopy::Bf16 { n } else { 0 });
     let copy = copy_buf.as_mut_slice();
+    if args.write_copy == WriteCopy::Bf16 {
+        fill_bf16(&params, copy, &pool).context("filling the bf16 copy")?;
+    }
 
     let times = time_steps(args, &mut opt, &mut params, copy, grad, norm, &pool, baton.as_mut())?;
     if !params.iter().all(|p| p.is_finite()) {
@@ -238,7 +237,7 @@ pub fn run(args: &BenchOptimizerArgs) -> anyhow::Result<()> {
     if copy.iter().zip(&params).any(|(c, &p)| c.to_bits() != bf16::from_f32(p).to_bits()) {
         bail!("the bf16 copy does not match the updated weights");
     }
-    report(args, kind, &times, opt.state_bytes());
+    report(args, kind, &times, opt.state_bytes(), copy);
     Ok(())
 }
 
@@ -323,7 +322,7 @@ fn time_steps<R: Read, W: Write>(
 
 /// Prints the human-readable summary and, with `--json`, the JSON line (median and best step
 /// seconds, every timed step's seconds in run order, optimizer state bytes allocated).
-fn report(args: &BenchOptimizerArgs, kind: OptimizerKind, times: &[f64], state_bytes: usize) {
+fn report(args: &BenchOptimizerArgs, kind: OptimizerKind, times: &[f64], state_bytes: usize, copy: &[bf16]) {
     let mut sorted = times.to_vec();
     sorted.sort_by(f64::total_cmp);
     let (median, best) = (sorted[sorted.len() / 2], sorted[0]);
@@ -346,8 +345,12 @@ fn report(args: &BenchOptimizerArgs, kind: OptimizerKind, times: &[f64], state_b
         WriteCopy::None => "none",
         WriteCopy::Bf16 => "bf16",
     };
-    let stores =
-        if args.write_copy == WriteCopy::Bf16 { format!(" ({} stores)", copy_stores_name()) } else { String::new() };
+    // How the copy was stored (the fp32 kernels never stream it).
+    let copy_stores = (args.write_copy == WriteCopy::Bf16).then(|| match kind {
+        OptimizerKind::AdamW8bit(q) => copy_stores_name_for(&q, copy),
+        _ => "cached",
+    });
+    let stores = copy_stores.map(|s| format!(" ({s} stores)")).unwrap_or_default();
     // The 8-bit kernel family (the fp32 kernels are auto-vectorised at the same SIMD level).
     let kernel = match kind {
         OptimizerKind::AdamW8bit(q) => q8_kernel_name_for(&q),
@@ -377,7 +380,7 @@ fn report(args: &BenchOptimizerArgs, kind: OptimizerKind, times: &[f64], state_b
             "kernel": kernel,
             "host_cpu": host,
             "write_copy": write_copy,
-            "copy_stores": (args.write_copy == WriteCopy::Bf16).then(copy_stores_name),
+            "copy_stores": copy_stores,
             "warmup": args.warmup,
             "steps": args.steps,
             "turn_steps": args.turns.as_ref().map(|_| args.turn_steps),
